@@ -1,0 +1,674 @@
+"""PARENT SIDE: the SubprocessEnv proxy (start, initialize, respawn, close) and create_subprocess_envs().
+
+A SubprocessEnv is a ``gymnasium.Env`` whose env lives in one daemon worker process. It owns
+that process, its pipes and its restart budget. Failure semantics (DESIGN.md):
+
+- The worker dies during ``step`` (signal, exit, OOM kill, or a ``step_timeout`` kill): no
+  exception. The worker is respawned and re-initialized, and the step returns a truncation:
+  the last observation the caller saw, ``reward=0.0``, ``terminated=False``,
+  ``truncated=True``, ``info["multienv"] = {"restarted": True, "cause": ..., "restarts": k}``.
+  The caller's next ``reset()`` (an autoreset wrapper's, or its own) starts the new episode.
+- It dies during ``reset``, ``render``, ``call``, ``get_attr`` or ``set_attr``: respawned,
+  and the command is replayed on the fresh env.
+- It dies while building the env: respawned, under the same budget.
+- Env code raises: ``EnvError`` naming the env, the remote type and message, with the
+  worker's traceback chained; the worker stays alive. With ``restart_on_error=True`` the
+  error is treated as a death instead.
+- Respawns beyond the ``RestartPolicy``: ``EnvCrashLoopError`` now and on every later call
+  (``EnvCrashedError`` under ``RestartPolicy.never()``).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from multiprocessing import connection as mp_connection
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+from gymnasium.error import ClosedEnvironmentError
+from gymnasium.vector.utils import create_empty_array
+
+from multienv.errors import (
+    EnvCrashedError,
+    EnvCrashLoopError,
+    EnvError,
+    EnvStateError,
+)
+from multienv.protocol import (
+    Command,
+    EnvDescription,
+    RemoteFailure,
+    RemoteTraceback,
+    Status,
+    worker_main,
+)
+from multienv.restart import RestartPolicy
+
+logger = logging.getLogger(__name__)
+
+EnvFn = Callable[[], gym.Env[Any, Any]]
+_PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
+# "__main__" too, as multiprocessing does by default: otherwise every worker re-imports the
+# user's script on start.
+_FORKSERVER_PRELOAD = ["__main__", "numpy", "gymnasium", "cloudpickle", "multienv.worker"]
+_STDERR_TAIL_LINES = 20
+
+
+class EnvState(enum.Enum):
+    """Lifecycle of one SubprocessEnv; legal moves are listed in _TRANSITIONS."""
+
+    CREATED = "created"  # object exists, no process yet
+    STARTED = "started"  # worker alive, env not built yet
+    READY = "ready"  # initialize() succeeded; reset/step/call allowed
+    BROKEN = "broken"  # restart budget spent; calls raise EnvCrashLoopError
+    CLOSED = "closed"  # terminal; calls raise ClosedEnvironmentError
+
+
+_TRANSITIONS: dict[EnvState, set[EnvState]] = {
+    EnvState.CREATED: {EnvState.STARTED, EnvState.CLOSED},
+    # Any move back to STARTED is a respawn.
+    EnvState.STARTED: {EnvState.STARTED, EnvState.READY, EnvState.BROKEN, EnvState.CLOSED},
+    EnvState.READY: {EnvState.STARTED, EnvState.BROKEN, EnvState.CLOSED},
+    EnvState.BROKEN: {EnvState.CLOSED},
+    EnvState.CLOSED: set(),
+}
+
+
+class _Death:
+    """The worker is gone (or was killed for a timeout); ``cause`` says how."""
+
+    __slots__ = ("cause",)
+
+    def __init__(self, cause: str) -> None:
+        self.cause = cause
+
+
+def resolve_context(context: BaseContext | str | None) -> BaseContext:
+    """Return the multiprocessing context to start workers with.
+
+    Args:
+        context: A context, a start-method name, or None for the default: ``forkserver`` on
+            Linux (with numpy and gymnasium preloaded, so a respawn is a cheap fork) and
+            ``spawn`` elsewhere. ``fork`` is available on request; forking a parent whose
+            threads hold locks can deadlock the child.
+    """
+    if isinstance(context, BaseContext):
+        return context
+    name = context or ("forkserver" if sys.platform.startswith("linux") else "spawn")
+    ctx = multiprocessing.get_context(name)
+    if name == "forkserver":
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # type: ignore[attr-defined]
+    return ctx
+
+
+class SubprocessEnv(gym.Env[Any, Any]):
+    """A ``gymnasium.Env`` proxy whose env runs in one daemon worker process.
+
+    Call ``start()`` (returns at once) then ``initialize()`` (waits for the env), or use
+    ``create_subprocess_envs()``. See the module docstring for what happens when the
+    worker dies, hangs or raises.
+
+    Args:
+        env_fn: Zero-argument callable returning a new gymnasium.Env (sent with cloudpickle).
+        context: Multiprocessing context or start-method name; see ``resolve_context``.
+        restart_policy: How many respawns are allowed, and how fast.
+        step_timeout: Seconds a ``step`` may take before the worker is killed; None waits forever.
+        reset_timeout: Seconds a ``reset`` may take before the worker is killed; None waits forever.
+        init_timeout: Seconds a worker may take to build its env before it is killed.
+        restart_on_error: Treat an exception raised by env code as a death.
+        close_timeout_s: Seconds ``close()`` waits for the worker to exit before killing it.
+        env_index: Position of this env in its vector; used in messages and process names.
+    """
+
+    def __init__(
+        self,
+        env_fn: EnvFn,
+        *,
+        context: BaseContext | str | None = None,
+        restart_policy: RestartPolicy | None = None,
+        step_timeout: float | None = None,
+        reset_timeout: float | None = None,
+        init_timeout: float | None = 60.0,
+        restart_on_error: bool = False,
+        close_timeout_s: float = 5.0,
+        env_index: int = 0,
+    ) -> None:
+        """Check the options and pickle ``env_fn``; no process is started yet."""
+        self.env_index = env_index
+        for name, value in (
+            ("step_timeout", step_timeout),
+            ("reset_timeout", reset_timeout),
+            ("init_timeout", init_timeout),
+        ):
+            if value is not None and value <= 0:
+                raise ValueError(f"env {env_index}: {name} must be > 0 or None, got {value!r}")
+        if not callable(env_fn):
+            raise TypeError(
+                f"env {env_index}: env_fn must be a zero-argument callable returning a "
+                f"gymnasium.Env, got {type(env_fn).__name__}"
+            )
+        try:
+            self._env_fn_bytes: bytes = cloudpickle.dumps(env_fn)
+        except Exception as exc:
+            raise TypeError(
+                f"env {env_index}: env_fn {env_fn!r} cannot be pickled with cloudpickle ({exc}); "
+                "build unpicklable resources inside env_fn instead of capturing them."
+            ) from exc
+        self._context = resolve_context(context)
+        self._restart_policy = restart_policy if restart_policy is not None else RestartPolicy()
+        self._step_timeout = step_timeout
+        self._reset_timeout = reset_timeout
+        self._init_timeout = init_timeout
+        self._restart_on_error = restart_on_error
+        self._close_timeout_s = close_timeout_s
+
+        self._state = EnvState.CREATED
+        self._process: BaseProcess | None = None  # None once reaped
+        self._pid: int | None = None
+        self._conn: Connection | None = None
+        self._stderr_pump: threading.Thread | None = None
+        self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        self._init_deadline: float | None = None
+        self._pending: tuple[Command, Any, float | None] | None = None
+        self._sent_at = 0.0
+        self._last_obs: Any = None
+        self._restart_times: list[float] = []
+        self._broken_error: EnvCrashedError | None = None
+        self._is_closing = threading.Event()
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self.steps = 0
+        self.episodes = 0
+        self.step_latencies_s: deque[float] = deque(maxlen=1000)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the current worker; None before ``start()``."""
+        return self._pid
+
+    @property
+    def state(self) -> EnvState:
+        """Where this proxy is in its lifecycle."""
+        return self._state
+
+    def start(self) -> None:
+        """Launch the worker, which starts building the env; returns without waiting."""
+        self._require(EnvState.CREATED, "start")
+        self._spawn()
+
+    def initialize(self) -> None:
+        """Wait until the worker has built its env, then cache spaces, metadata and spec.
+
+        Raises:
+            EnvError: ``env_fn`` raised in the worker.
+            EnvCrashLoopError: The worker kept dying or timing out while building the env.
+        """
+        self._require(EnvState.STARTED, "initialize")
+        cause = self._handshake()
+        if cause is None:
+            self._set_state(EnvState.READY)
+        else:
+            self._respawn(cause)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker and release its pipes; idempotent and bounded in time.
+
+        Args:
+            timeout: Seconds to wait for a clean exit before the worker is killed;
+                defaults to ``close_timeout_s``.
+        """
+        if self._state is EnvState.CLOSED:
+            return
+        self._is_closing.set()
+        self._stop_worker(self._close_timeout_s if timeout is None else timeout)
+        self._set_state(EnvState.CLOSED)
+
+    def __del__(self) -> None:
+        """Close the worker if the proxy was fully constructed."""
+        if "_state" in self.__dict__:
+            self.close(timeout=1.0)
+
+    # ----------------------------------------------------------------- env API
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset the remote env; replayed on a fresh worker if the worker dies."""
+        self.send_reset(seed=seed, options=options)
+        return self.recv_reset()
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        """Step the remote env; a worker death comes back as a flagged truncation."""
+        self.send_step(action)
+        obs, reward, terminated, truncated, info, _ = self.recv_step()
+        return obs, reward, terminated, truncated, info
+
+    def render(self) -> Any:
+        """Return the remote env's ``render()`` result."""
+        return self._request(Command.RENDER, None)
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the remote env's method ``name`` (or return the attribute, if not callable)."""
+        return self._request(Command.CALL, (name, args, kwargs))
+
+    def get_attr(self, name: str) -> Any:
+        """Return the remote env's attribute ``name`` (searched through its wrappers)."""
+        return self._request(Command.GET_ATTR, name)
+
+    def set_attr(self, name: str, value: Any) -> None:
+        """Set the remote env's attribute ``name`` (on the wrapper that has it)."""
+        self._request(Command.SET_ATTR, (name, value))
+
+    # ------------------------------------------- split-phase calls, for vectors and backends
+
+    def send_reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
+        """Send a reset without waiting; ``recv_reset()`` collects it."""
+        self._begin(Command.RESET, (seed, options), "reset", self._reset_timeout)
+
+    def recv_reset(self) -> tuple[Any, dict[str, Any]]:
+        """Wait for the reset sent by ``send_reset()``."""
+        obs, info = self._finish()
+        self._last_obs = obs
+        return obs, info
+
+    def send_step(self, action: Any, *, autoreset: bool = False) -> None:
+        """Send a step without waiting; ``recv_step()`` collects it.
+
+        Args:
+            action: The action for this env.
+            autoreset: Let the worker reset a finished episode in the same round trip.
+        """
+        self._begin(Command.STEP, (action, autoreset), "step", self._step_timeout)
+
+    def recv_step(self) -> tuple[Any, Any, bool, bool, dict[str, Any], Any]:
+        """Wait for the step sent by ``send_step()``.
+
+        Returns:
+            ``(obs, reward, terminated, truncated, info, reset_result)``, where
+            ``reset_result`` is the worker's ``(obs, info)`` after an autoreset, else None.
+        """
+        result: tuple[Any, Any, bool, bool, dict[str, Any], Any] = self._finish()
+        obs, _, terminated, truncated, _, reset_result = result
+        if terminated or truncated:
+            self.episodes += 1
+        self._last_obs = obs if reset_result is None else reset_result[0]
+        return result
+
+    # ----------------------------------------------------------------- internals
+
+    def _set_state(self, new: EnvState) -> None:
+        if new not in _TRANSITIONS[self._state]:
+            raise EnvStateError(
+                f"env {self.env_index}: illegal state move {self._state.name} -> {new.name}",
+                env_index=self.env_index,
+            )
+        logger.debug("env %d: %s -> %s", self.env_index, self._state.name, new.name)
+        self._state = new
+
+    def _require(self, wanted: EnvState, name: str) -> None:
+        state = self._state
+        if state is wanted:
+            return
+        if state is EnvState.CLOSED:
+            raise ClosedEnvironmentError(
+                f"env {self.env_index}: {name}() called after close(); create a new env."
+            )
+        if state is EnvState.BROKEN and self._broken_error is not None:
+            raise copy.copy(self._broken_error)
+        hints = {
+            EnvState.CREATED: "call start() and initialize() first, or use create_subprocess_envs()",
+            EnvState.STARTED: "call initialize() first",
+            EnvState.READY: f"{name}() may be called only once",
+        }
+        raise EnvStateError(
+            f"env {self.env_index}: {name}() called in state {state.name}; {hints[state]}.",
+            env_index=self.env_index,
+        )
+
+    def _spawn(self) -> None:
+        """Start a new worker process; the env is built there while we return."""
+        parent_conn, child_conn = self._context.Pipe()
+        stderr_read, stderr_write = self._context.Pipe(duplex=False)
+        is_forkserver = self._context.get_start_method() == "forkserver"
+        process = self._context.Process(  # type: ignore[attr-defined]
+            target=worker_main,
+            args=(
+                child_conn,
+                stderr_write,
+                self._env_fn_bytes,
+                self.env_index,
+                os.getpid(),
+                is_forkserver,
+            ),
+            name=f"multienv-worker-{self.env_index}",
+            daemon=True,
+        )
+        try:
+            process.start()
+        finally:
+            child_conn.close()
+            stderr_write.close()
+        self._process, self._conn, self._pid = process, parent_conn, process.pid
+        self._stderr_tail = deque(maxlen=_STDERR_TAIL_LINES)
+        self._stderr_pump = threading.Thread(
+            target=_pump_stderr,
+            args=(stderr_read, self._stderr_tail),
+            name=f"multienv-stderr-{self.env_index}",
+            daemon=True,
+        )
+        self._stderr_pump.start()
+        self._init_deadline = (
+            None if self._init_timeout is None else time.monotonic() + self._init_timeout
+        )
+        logger.info("env %d: started worker pid %d", self.env_index, process.pid)
+        self._set_state(EnvState.STARTED)
+
+    def _handshake(self) -> str | None:
+        """Wait for the worker's first message; return a cause of death, or None when ready."""
+        outcome = self._receive(self._init_deadline)
+        if isinstance(outcome, _Death):
+            return outcome.cause
+        status, payload = outcome
+        if status is Status.ERROR:
+            if self._restart_on_error:
+                return f"error: {payload.type_name}"
+            raise self._env_error(payload, "initialize")
+        description: EnvDescription = payload
+        self.observation_space = description.observation_space
+        self.action_space = description.action_space
+        self.metadata = description.metadata
+        self.render_mode = description.render_mode
+        self.spec = description.spec
+        return None
+
+    def _receive(self, deadline: float | None) -> Any:
+        """Wait for one reply or the worker's death, whichever comes first, up to ``deadline``."""
+        conn, process = self._conn, self._process
+        assert conn is not None and process is not None
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            ready = mp_connection.wait([conn, process.sentinel], timeout)
+        except (OSError, ValueError):
+            ready = [process.sentinel]  # close() on another thread closed the pipe
+        if self._is_closing.is_set():
+            raise ClosedEnvironmentError(f"env {self.env_index}: closed while a call was waiting.")
+        if conn in ready:
+            try:
+                return conn.recv()
+            except _PIPE_ERRORS:
+                pass
+        elif not ready:
+            logger.warning(
+                "env %d: worker pid %d timed out; killing it", self.env_index, process.pid
+            )
+            process.kill()
+            process.join(5.0)
+            return _Death("timeout")
+        process.join(1.0)
+        if process.is_alive():
+            process.kill()
+            process.join(5.0)
+        return _Death(_describe_exit(process.exitcode))
+
+    def _begin(self, command: Command, payload: Any, name: str, timeout: float | None) -> None:
+        self._require(EnvState.READY, name)
+        if self._pending is not None:
+            # A call interrupted in the parent (e.g. by KeyboardInterrupt) left a reply in flight.
+            self._discard_pending()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._pending = (command, payload, deadline)
+        self._sent_at = time.perf_counter()
+        assert self._conn is not None
+        try:
+            self._conn.send((command, payload))
+        except _PIPE_ERRORS:
+            pass  # the worker is dead; _finish() sees its sentinel and respawns
+
+    def _finish(self) -> Any:
+        if self._pending is None:
+            raise EnvStateError(
+                f"env {self.env_index}: no call is in flight; send one first.",
+                env_index=self.env_index,
+            )
+        command, payload, deadline = self._pending
+        outcome = self._receive(deadline)
+        self._pending = None
+        if isinstance(outcome, _Death):
+            return self._recover(command, payload, outcome.cause)
+        status, result = outcome
+        if status is Status.ERROR:
+            if self._restart_on_error:
+                self._kill()
+                return self._recover(command, payload, f"error: {result.type_name}")
+            raise self._env_error(result, command.name.lower())
+        if command is Command.STEP:
+            self.steps += 1
+            self.step_latencies_s.append(time.perf_counter() - self._sent_at)
+        return result
+
+    def _recover(self, command: Command, payload: Any, cause: str) -> Any:
+        """Respawn after a death, then answer the interrupted command as DESIGN.md says."""
+        self._respawn(cause)
+        if command is Command.STEP:
+            info = {"multienv": {"restarted": True, "cause": cause, "restarts": self.restarts}}
+            obs = self._last_obs
+            if obs is None:
+                obs = create_empty_array(self.observation_space, n=None, fn=np.zeros)
+            return obs, 0.0, False, True, info, None
+        return self._request(command, payload)  # replayed on the fresh worker
+
+    def _request(self, command: Command, payload: Any) -> Any:
+        timeout = self._reset_timeout if command is Command.RESET else None
+        self._begin(command, payload, command.name.lower(), timeout)
+        return self._finish()
+
+    def _discard_pending(self) -> None:
+        command = self._pending[0] if self._pending is not None else None
+        logger.debug("env %d: discarding the reply to an interrupted %s", self.env_index, command)
+        try:
+            self._finish()
+        except EnvError:
+            pass
+
+    def _respawn(self, cause: str) -> None:
+        """Replace a dead worker, under the restart budget, until one is ready."""
+        while True:
+            self._bury(cause)
+            self._spawn()
+            next_cause = self._handshake()
+            if next_cause is None:
+                self._set_state(EnvState.READY)
+                return
+            cause = next_cause
+
+    def _bury(self, cause: str) -> None:
+        """Reap the dead worker, then wait out the backoff or raise if the budget is spent."""
+        pid = self._pid
+        self._kill()
+        self._release_pipes()
+        self.last_failure = cause
+        now = time.monotonic()
+        policy = self._restart_policy
+        delay = policy.next_delay(self._restart_times, now)
+        if delay is None:
+            self._become_broken(pid, cause)
+        self._restart_times = [*policy.recent(self._restart_times, now), now]
+        self.restarts += 1
+        logger.warning(
+            "env %d: worker pid %s died (%s); respawning (%d/%d in %g s)",
+            self.env_index,
+            pid,
+            cause,
+            len(self._restart_times),
+            policy.max_restarts,
+            policy.window_s,
+        )
+        if delay and self._is_closing.wait(delay):
+            raise ClosedEnvironmentError(f"env {self.env_index}: closed during a respawn.")
+
+    def _become_broken(self, pid: int | None, cause: str) -> None:
+        tail = tuple(self._stderr_tail)
+        policy = self._restart_policy
+        stderr_text = "\n".join(tail) if tail else "(nothing)"
+        error: EnvCrashedError
+        if policy.is_never:
+            error = EnvCrashedError(
+                f"env {self.env_index}: worker (pid {pid}) died ({cause}) and "
+                "RestartPolicy.never() is set; its last stderr lines follow. Fix the crash or "
+                f"allow restarts.\n{stderr_text}",
+                env_index=self.env_index,
+            )
+        else:
+            deaths = len(policy.recent(self._restart_times, time.monotonic())) + 1
+            error = EnvCrashLoopError(
+                f"env {self.env_index}: worker died {deaths} times in {policy.window_s:g} s "
+                f"(RestartPolicy max_restarts={policy.max_restarts}, window_s={policy.window_s:g}); "
+                f"last cause {cause}; its last stderr lines follow. Fix the crash or loosen "
+                f"the policy.\n{stderr_text}",
+                env_index=self.env_index,
+                restarts=deaths,
+                cause=cause,
+                stderr_tail=tail,
+            )
+            logger.error("%s", error)
+        self._broken_error = error
+        self._set_state(EnvState.BROKEN)
+        raise error
+
+    def _env_error(self, failure: RemoteFailure, name: str) -> EnvError:
+        remote = RemoteTraceback(failure.traceback)
+        cause: BaseException = failure.exception if failure.exception is not None else remote
+        if cause is not remote:
+            cause.__cause__ = remote
+        error = EnvError(
+            f"env {self.env_index}: worker (pid {self.pid}) raised {failure.type_name} in "
+            f"{name}(): {failure.message}; see the worker traceback above. The worker is "
+            "still alive; call reset().",
+            env_index=self.env_index,
+        )
+        error.__cause__ = cause
+        return error
+
+    def _kill(self) -> None:
+        process = self._process
+        if process is not None and process.exitcode is None:
+            process.kill()
+            process.join(5.0)
+
+    def _release_pipes(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._stderr_pump is not None:
+            self._stderr_pump.join(1.0)  # its EOF arrives once the worker's fd 2 is closed
+        if self._process is not None and self._process.exitcode is not None:
+            self._process.close()  # releases its sentinel fd
+            self._process = None
+
+    def _stop_worker(self, timeout_s: float) -> None:
+        process, conn = self._process, self._conn
+        if process is None or conn is None:
+            self._release_pipes()
+            return
+        try:
+            if process.exitcode is None:
+                conn.send((Command.CLOSE, None))
+        except (*_PIPE_ERRORS, OSError, ValueError):
+            pass
+        try:
+            process.join(max(0.0, timeout_s))
+            if process.exitcode is None:
+                process.terminate()
+                process.join(1.0)
+            if process.exitcode is None:
+                process.kill()
+                process.join(5.0)
+        finally:
+            self._release_pipes()
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "unknown"
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _pump_stderr(read_conn: Connection, tail: deque[str]) -> None:
+    """Forward a worker's stderr to ours, keeping its last lines for crash reports."""
+    fd = read_conn.fileno()
+    partial = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            try:
+                os.write(2, chunk)
+            except OSError:
+                pass  # our own stderr is gone; keep collecting the tail
+            *lines, partial = (partial + chunk).split(b"\n")
+            tail.extend(line.decode(errors="replace") for line in lines)
+    except OSError:
+        pass
+    finally:
+        if partial:
+            tail.append(partial.decode(errors="replace"))
+        read_conn.close()
+
+
+def create_subprocess_envs(env_fns: Sequence[EnvFn], **options: Any) -> list[SubprocessEnv]:
+    """Start one worker per env factory, then initialize them all in parallel.
+
+    Args:
+        env_fns: Zero-argument callables returning a new gymnasium.Env (sent with cloudpickle).
+        **options: Keyword options of ``SubprocessEnv``, applied to every env.
+
+    Raises:
+        TypeError: An env_fn cannot be pickled; nothing was started.
+        EnvError: An env_fn raised in its worker; all proxies are closed first.
+        EnvCrashLoopError: A worker kept failing to start; all proxies are closed first.
+    """
+    if "env_index" in options:
+        raise TypeError("create_subprocess_envs() numbers the envs itself; do not pass env_index")
+    envs = [SubprocessEnv(env_fn, env_index=i, **options) for i, env_fn in enumerate(env_fns)]
+    try:
+        for env in envs:
+            env.start()
+        with ThreadPoolExecutor(
+            max_workers=max(1, min(len(envs), 32)), thread_name_prefix="multienv"
+        ) as pool:
+            futures = [pool.submit(env.initialize) for env in envs]
+            wait_futures(futures)
+        errors = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
+        for i, error in errors[1:]:
+            logger.error("env %d: initialize() failed too: %s", i, error)
+        if errors:
+            raise errors[0][1]  # type: ignore[misc]
+    except BaseException:
+        for env in envs:
+            env.close(timeout=1.0)
+        raise
+    return envs
+
+
+__all__ = ["EnvFn", "EnvState", "SubprocessEnv", "create_subprocess_envs", "resolve_context"]

@@ -1,0 +1,282 @@
+"""WORKER SIDE: the loop that runs in each worker process; builds, owns and closes one env.
+
+The worker talks to its parent only through ``protocol``. It ignores SIGINT (the parent got
+the same Ctrl-C and owns shutdown), sends its stderr to the parent through a pipe (the parent
+forwards it and keeps the last lines for crash reports), and exits by itself when the parent
+process dies, even by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import logging
+import os
+import pickle
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+
+from multienv.protocol import Command, EnvDescription, RemoteFailure, Status
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PARENT_POLL_S = 0.5  # fallback only, when pidfd_open is unavailable
+ObsCheck = Callable[[Any], "str | None"]
+_PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
+
+
+def run_worker(
+    conn: Connection,
+    stderr_conn: Connection,
+    env_fn_bytes: bytes,
+    env_index: int,
+    parent_pid: int,
+    use_pdeathsig: bool,
+) -> None:
+    """Build the env, report its spaces, then serve commands until CLOSE or the pipe breaks.
+
+    Args:
+        conn: The worker's end of the command pipe.
+        stderr_conn: Write end of a pipe that becomes this process's fd 2.
+        env_fn_bytes: The cloudpickled env factory.
+        env_index: Position of this env in its vector, for messages.
+        parent_pid: The process that owns this worker; the worker exits when it dies.
+        use_pdeathsig: Ask the kernel for SIGKILL when the direct parent dies (safe only when
+            the direct parent is single-threaded, as the forkserver is).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.dup2(stderr_conn.fileno(), 2)
+    stderr_conn.close()
+    faulthandler.enable()
+    _exit_with_parent(parent_pid, use_pdeathsig)
+
+    try:
+        env = cloudpickle.loads(env_fn_bytes)()
+        description = EnvDescription(
+            observation_space=env.observation_space,
+            action_space=env.action_space,
+            metadata=dict(env.metadata),
+            render_mode=env.render_mode,
+            spec=_picklable_or_none(env.spec),
+        )
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises EnvError
+        conn.send((Status.ERROR, _failure(exc)))
+        return
+    conn.send((Status.OK, description))
+
+    is_closed_by_parent = False
+    try:
+        _serve(conn, env, _make_obs_check(env.observation_space))
+        is_closed_by_parent = True
+    except KeyboardInterrupt:
+        pass
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        logger.debug("env %d: pipe closed; worker exits", env_index)
+    finally:
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001 - closing is best effort; the process exits next
+            traceback.print_exc()
+        if is_closed_by_parent:
+            try:
+                conn.send((Status.OK, None))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        conn.close()
+
+
+def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None) -> None:
+    """Answer requests one at a time; return on CLOSE (the caller closes the env and replies)."""
+
+    def step(payload: tuple[Any, bool]) -> tuple[Any, ...]:
+        action, autoreset = payload
+        obs, reward, terminated, truncated, info = env.step(action)
+        if check_obs is not None:
+            _raise_on_bad_obs(check_obs, obs)
+        reset_result = None
+        if autoreset and (terminated or truncated):
+            reset_result = reset((None, None))
+        return obs, reward, terminated, truncated, info, reset_result
+
+    def reset(payload: tuple[int | None, dict[str, Any] | None]) -> tuple[Any, dict[str, Any]]:
+        seed, options = payload
+        obs, info = env.reset(seed=seed, options=options)
+        if check_obs is not None:
+            _raise_on_bad_obs(check_obs, obs)
+        return obs, info
+
+    def call(payload: tuple[str, tuple[Any, ...], dict[str, Any]]) -> Any:
+        name, args, kwargs = payload
+        attr = env.get_wrapper_attr(name)
+        return attr(*args, **kwargs) if callable(attr) else attr
+
+    def set_attr(payload: tuple[str, Any]) -> None:
+        env.set_wrapper_attr(*payload)
+
+    handlers: dict[Command, Callable[[Any], Any]] = {
+        Command.STEP: step,
+        Command.RESET: reset,
+        Command.RENDER: lambda _: env.render(),
+        Command.CALL: call,
+        Command.GET_ATTR: env.get_wrapper_attr,
+        Command.SET_ATTR: set_attr,
+    }
+    while True:
+        command, payload = conn.recv()
+        if command is Command.CLOSE:
+            return
+        try:
+            result = handlers[command](payload)
+        except Exception as exc:  # noqa: BLE001 - env errors go back to the parent as EnvError
+            conn.send((Status.ERROR, _failure(exc)))
+            continue
+        try:
+            conn.send((Status.OK, result))
+        except _PICKLE_ERRORS as exc:
+            conn.send((Status.ERROR, _failure(_explain_unpicklable(command, result, exc))))
+
+
+def _failure(exc: BaseException) -> RemoteFailure:
+    """Package an exception for the parent, keeping the object itself when it pickles."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        pickle.dumps(exc)
+        kept: BaseException | None = exc
+    except Exception:  # noqa: BLE001 - any pickling failure means "send the text only"
+        kept = None
+    return RemoteFailure(type(exc).__qualname__, str(exc), text, kept)
+
+
+def _explain_unpicklable(command: Command, result: Any, exc: Exception) -> TypeError:
+    """Name the info key (or the part of the reply) that could not be pickled."""
+    info = None
+    if command is Command.STEP:
+        info = result[4]
+    elif command is Command.RESET:
+        info = result[1]
+    if isinstance(info, dict):
+        for key, value in info.items():
+            try:
+                pickle.dumps(value)
+            except _PICKLE_ERRORS as key_exc:
+                return TypeError(
+                    f"{command.name.lower()}() returned info[{key!r}] of type "
+                    f"{type(value).__name__}, which cannot be pickled ({key_exc}); "
+                    "return plain data in info"
+                )
+    return TypeError(
+        f"the reply to {command.name.lower()}() cannot be pickled ({exc}); return plain data"
+    )
+
+
+def _picklable_or_none(value: Any) -> Any:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - a spec holding e.g. a lambda is dropped, not fatal
+        return None
+    return value
+
+
+def _make_obs_check(space: gym.Space[Any]) -> ObsCheck | None:
+    """Return a cheap check of an observation's shape and dtype, or None if the space has none.
+
+    Shapes must match exactly. Dtypes must cast to the space's dtype within the same kind
+    (float64 into float32 is accepted, as Gymnasium's batching does; float into uint8 is not).
+    """
+    if isinstance(space, gym.spaces.Box):
+        shape, dtype = space.shape, space.dtype
+
+        def check_box(obs: Any) -> str | None:
+            array = obs if isinstance(obs, np.ndarray) else np.asarray(obs)
+            if array.shape != shape or not np.can_cast(array.dtype, dtype, "same_kind"):
+                return (
+                    f"has shape {array.shape} and dtype {array.dtype}; "
+                    f"expected shape {shape} and dtype {dtype}"
+                )
+            return None
+
+        return check_box
+    if isinstance(space, gym.spaces.Dict):
+        checks = {key: _make_obs_check(sub) for key, sub in space.spaces.items()}
+
+        def check_dict(obs: Any) -> str | None:
+            if not isinstance(obs, dict) or obs.keys() != checks.keys():
+                keys = sorted(obs) if isinstance(obs, dict) else type(obs).__name__
+                return f"has keys {keys!r}; expected {sorted(checks)!r}"
+            for key, check in checks.items():
+                problem = check(obs[key]) if check is not None else None
+                if problem is not None:
+                    return f"[{key!r}] {problem}"
+            return None
+
+        return check_dict
+    if isinstance(space, gym.spaces.Tuple):
+        tuple_checks = [_make_obs_check(sub) for sub in space.spaces]
+
+        def check_tuple(obs: Any) -> str | None:
+            if not isinstance(obs, tuple) or len(obs) != len(tuple_checks):
+                return f"is {type(obs).__name__}; expected a tuple of {len(tuple_checks)}"
+            for position, (check, item) in enumerate(zip(tuple_checks, obs, strict=True)):
+                problem = check(item) if check is not None else None
+                if problem is not None:
+                    return f"[{position}] {problem}"
+            return None
+
+        return check_tuple
+    return None
+
+
+def _raise_on_bad_obs(check: ObsCheck, obs: Any) -> None:
+    problem = check(obs)
+    if problem is not None:
+        raise ValueError(f"the observation {problem} (the env's observation_space)")
+
+
+def _exit_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
+    """Make this process exit soon after ``parent_pid`` dies, however it dies."""
+    if use_pdeathsig and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            logger.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent watcher")
+    # PDEATHSIG follows the direct parent thread, which under fork or spawn may be a pool
+    # thread of the real parent; a pidfd (or a poll, without one) watches the process itself.
+    threading.Thread(
+        target=_wait_for_parent_exit, args=(parent_pid,), name="multienv-parent-watch", daemon=True
+    ).start()
+
+
+def _wait_for_parent_exit(parent_pid: int) -> None:
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):
+        while _is_alive(parent_pid):
+            time.sleep(_PARENT_POLL_S)
+        os._exit(0)
+    select.select([pidfd], [], [])
+    os._exit(0)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
