@@ -1,0 +1,33 @@
+"""multienv: many Gymnasium envs in worker processes, one batched VectorEnv that survives crashes.
+
+Public API only: re-exports, ``__all__`` and ``__version__``.
+"""
+
+from multienv.errors import (
+    EnvCrashedError,
+    EnvCrashLoopError,
+    EnvError,
+    EnvStateError,
+    MultiEnvError,
+)
+from multienv.multi_env import MultiEnv
+from multienv.protocol import RemoteTraceback
+from multienv.restart import RestartPolicy
+from multienv.subprocess_env import EnvState, SubprocessEnv, create_subprocess_envs
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EnvCrashLoopError",
+    "EnvCrashedError",
+    "EnvError",
+    "EnvState",
+    "EnvStateError",
+    "MultiEnv",
+    "MultiEnvError",
+    "RemoteTraceback",
+    "RestartPolicy",
+    "SubprocessEnv",
+    "__version__",
+    "create_subprocess_envs",
+]

@@ -1,7 +1,9 @@
 """The wire between parent and worker: commands, replies and remote errors; stdlib only.
 
-Every request is a tuple ``(Command, payload)`` sent on the pipe; every reply is a tuple
-``(Status, payload)``. A worker sends one unsolicited reply when it starts: ``(OK,
+Every request is a tuple ``(int(Command), payload)``; every reply is a tuple
+``(int(Status), payload)``. Both are framed with ``Connection.send_bytes`` and plain
+``pickle`` (``encode``/``decode``): multiprocessing's own ``send`` builds a ForkingPickler per
+message and enum members pickle by class lookup, which together cost more than a CartPole step. A worker sends one unsolicited reply when it starts: ``(OK,
 EnvDescription)`` once the env is built, or ``(ERROR, RemoteFailure)`` if ``env_fn`` raised.
 """
 
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import pickle
 from typing import Any
 
 
@@ -71,6 +75,9 @@ class RemoteTraceback(Exception):
         """Show the traceback as the worker printed it."""
         return "\n\nworker traceback:\n" + self.traceback_text
 
+
+encode = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
+decode = pickle.loads
 
 WORKER_MODULE = "multienv.worker"
 

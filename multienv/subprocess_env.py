@@ -23,8 +23,10 @@ from __future__ import annotations
 import copy
 import enum
 import logging
+import math
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -33,7 +35,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
@@ -57,6 +58,8 @@ from multienv.protocol import (
     RemoteFailure,
     RemoteTraceback,
     Status,
+    decode,
+    encode,
     worker_main,
 )
 from multienv.restart import RestartPolicy
@@ -183,6 +186,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._process: BaseProcess | None = None  # None once reaped
         self._pid: int | None = None
         self._conn: Connection | None = None
+        self._poller: Any = None  # select.poll over the pipe and the process sentinel
         self._stderr_pump: threading.Thread | None = None
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self._init_deadline: float | None = None
@@ -368,6 +372,11 @@ class SubprocessEnv(gym.Env[Any, Any]):
             child_conn.close()
             stderr_write.close()
         self._process, self._conn, self._pid = process, parent_conn, process.pid
+        # Registered once per worker: a poll() per reply is one syscall, where
+        # multiprocessing.connection.wait() builds a new selector on every call.
+        self._poller = select.poll()
+        self._poller.register(parent_conn.fileno(), select.POLLIN)
+        self._poller.register(process.sentinel, select.POLLIN)
         self._stderr_tail = deque(maxlen=_STDERR_TAIL_LINES)
         self._stderr_pump = threading.Thread(
             target=_pump_stderr,
@@ -388,7 +397,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         if isinstance(outcome, _Death):
             return outcome.cause
         status, payload = outcome
-        if status is Status.ERROR:
+        if status == Status.ERROR:
             if self._restart_on_error:
                 return f"error: {payload.type_name}"
             raise self._env_error(payload, "initialize")
@@ -404,19 +413,21 @@ class SubprocessEnv(gym.Env[Any, Any]):
         """Wait for one reply or the worker's death, whichever comes first, up to ``deadline``."""
         conn, process = self._conn, self._process
         assert conn is not None and process is not None
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        timeout_ms = (
+            None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
+        )
         try:
-            ready = mp_connection.wait([conn, process.sentinel], timeout)
+            events = self._poller.poll(timeout_ms)
         except (OSError, ValueError):
-            ready = [process.sentinel]  # close() on another thread closed the pipe
+            events = [(process.sentinel, 0)]  # close() on another thread closed the pipe
         if self._is_closing.is_set():
             raise ClosedEnvironmentError(f"env {self.env_index}: closed while a call was waiting.")
-        if conn in ready:
+        if any(fd == conn.fileno() for fd, _ in events):
             try:
-                return conn.recv()
+                return decode(conn.recv_bytes())
             except _PIPE_ERRORS:
                 pass
-        elif not ready:
+        elif not events:
             logger.warning(
                 "env %d: worker pid %d timed out; killing it", self.env_index, process.pid
             )
@@ -439,7 +450,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._sent_at = time.perf_counter()
         assert self._conn is not None
         try:
-            self._conn.send((command, payload))
+            self._conn.send_bytes(encode((int(command), payload)))
         except _PIPE_ERRORS:
             pass  # the worker is dead; _finish() sees its sentinel and respawns
 
@@ -455,7 +466,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         if isinstance(outcome, _Death):
             return self._recover(command, payload, outcome.cause)
         status, result = outcome
-        if status is Status.ERROR:
+        if status == Status.ERROR:
             if self._restart_on_error:
                 self._kill()
                 return self._recover(command, payload, f"error: {result.type_name}")
@@ -590,7 +601,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
             return
         try:
             if process.exitcode is None:
-                conn.send((Command.CLOSE, None))
+                conn.send_bytes(encode((int(Command.CLOSE), None)))
         except (*_PIPE_ERRORS, OSError, ValueError):
             pass
         try:

@@ -27,11 +27,13 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from multienv.protocol import Command, EnvDescription, RemoteFailure, Status
+from multienv.protocol import Command, EnvDescription, RemoteFailure, Status, decode, encode
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+OS_NAME_PREFIX = "multienv-w"  # /proc/<pid>/comm of a worker is this plus its env index
 _PARENT_POLL_S = 0.5  # fallback only, when pidfd_open is unavailable
 ObsCheck = Callable[[Any], "str | None"]
 _PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
@@ -60,7 +62,10 @@ def run_worker(
     os.dup2(stderr_conn.fileno(), 2)
     stderr_conn.close()
     faulthandler.enable()
-    _exit_with_parent(parent_pid, use_pdeathsig)
+    libc = _libc()
+    if libc is not None:
+        libc.prctl(_PR_SET_NAME, f"{OS_NAME_PREFIX}{env_index}".encode()[:15])
+    _exit_with_parent(libc, parent_pid, use_pdeathsig)
 
     try:
         env = cloudpickle.loads(env_fn_bytes)()
@@ -72,9 +77,9 @@ def run_worker(
             spec=_picklable_or_none(env.spec),
         )
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises EnvError
-        conn.send((Status.ERROR, _failure(exc)))
+        conn.send_bytes(encode((Status.ERROR, _failure(exc))))
         return
-    conn.send((Status.OK, description))
+    conn.send_bytes(encode((Status.OK, description)))
 
     is_closed_by_parent = False
     try:
@@ -91,7 +96,7 @@ def run_worker(
             traceback.print_exc()
         if is_closed_by_parent:
             try:
-                conn.send((Status.OK, None))
+                conn.send_bytes(encode((Status.OK, None)))
             except (BrokenPipeError, ConnectionResetError):
                 pass
         conn.close()
@@ -125,7 +130,7 @@ def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None) -> None:
     def set_attr(payload: tuple[str, Any]) -> None:
         env.set_wrapper_attr(*payload)
 
-    handlers: dict[Command, Callable[[Any], Any]] = {
+    handlers: dict[int, Callable[[Any], Any]] = {
         Command.STEP: step,
         Command.RESET: reset,
         Command.RENDER: lambda _: env.render(),
@@ -133,19 +138,21 @@ def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None) -> None:
         Command.GET_ATTR: env.get_wrapper_attr,
         Command.SET_ATTR: set_attr,
     }
+    ok, error = int(Status.OK), int(Status.ERROR)
     while True:
-        command, payload = conn.recv()
-        if command is Command.CLOSE:
+        command, payload = decode(conn.recv_bytes())
+        if command == Command.CLOSE:
             return
         try:
             result = handlers[command](payload)
         except Exception as exc:  # noqa: BLE001 - env errors go back to the parent as EnvError
-            conn.send((Status.ERROR, _failure(exc)))
+            conn.send_bytes(encode((error, _failure(exc))))
             continue
         try:
-            conn.send((Status.OK, result))
+            reply = encode((ok, result))
         except _PICKLE_ERRORS as exc:
-            conn.send((Status.ERROR, _failure(_explain_unpicklable(command, result, exc))))
+            reply = encode((error, _failure(_explain_unpicklable(Command(command), result, exc))))
+        conn.send_bytes(reply)
 
 
 def _failure(exc: BaseException) -> RemoteFailure:
@@ -244,14 +251,22 @@ def _raise_on_bad_obs(check: ObsCheck, obs: Any) -> None:
         raise ValueError(f"the observation {problem} (the env's observation_space)")
 
 
-def _exit_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
+def _libc() -> Any:
+    """Return libc with ``prctl`` on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl  # noqa: B018 - probe that the symbol exists
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _exit_with_parent(libc: Any, parent_pid: int, use_pdeathsig: bool) -> None:
     """Make this process exit soon after ``parent_pid`` dies, however it dies."""
-    if use_pdeathsig and sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            logger.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent watcher")
+    if use_pdeathsig and libc is not None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     # PDEATHSIG follows the direct parent thread, which under fork or spawn may be a pool
     # thread of the real parent; a pidfd (or a poll, without one) watches the process itself.
     threading.Thread(

@@ -1,0 +1,159 @@
+"""Toy envs for the tests; module-level so they pickle by reference under forkserver/spawn."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+
+class CountingEnv(gym.Env):
+    """Observation is the step count in the episode; terminates after ``episode_length`` steps."""
+
+    metadata = {"render_modes": ["rgb_array"]}
+
+    def __init__(self, episode_length: int = 5, render_mode: str | None = None) -> None:
+        self.observation_space = gym.spaces.Box(0, 1000, shape=(1,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+        self.episode_length = episode_length
+        self.render_mode = render_mode
+        self.count = 0
+        self.scale = 1.0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.count = 0
+        return self._obs(), {"seed_used": -1 if seed is None else seed}
+
+    def step(self, action):
+        self.count += 1
+        terminated = self.count >= self.episode_length
+        return self._obs(), float(action) * self.scale, terminated, False, {"count": self.count}
+
+    def render(self):
+        return np.full((2, 2, 3), self.count, dtype=np.uint8)
+
+    def add(self, a: int, b: int = 0) -> int:
+        return a + b
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.count], dtype=np.float32)
+
+
+class DictObsEnv(gym.Env):
+    """A Dict observation space with random dynamics and episodes of random length."""
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Dict(
+            {
+                "position": gym.spaces.Box(-10, 10, shape=(2,), dtype=np.float64),
+                "mode": gym.spaces.Discrete(3),
+            }
+        )
+        self.action_space = gym.spaces.Box(-1, 1, shape=(2,), dtype=np.float32)
+        self.position = np.zeros(2)
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.position = self.np_random.uniform(-1, 1, size=2)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        self.position = np.clip(self.position + action + self.np_random.normal(0, 0.1, 2), -10, 10)
+        terminated = bool(np.abs(self.position).max() > 3)
+        truncated = self.t >= 40
+        return self._obs(), -float(np.abs(self.position).sum()), terminated, truncated, {"t": self.t}
+
+    def _obs(self) -> dict[str, Any]:
+        return {"position": self.position.copy(), "mode": int(self.t % 3)}
+
+
+class SlowInitEnv(CountingEnv):
+    """Takes ``delay_s`` seconds to construct."""
+
+    def __init__(self, delay_s: float = 0.5) -> None:
+        time.sleep(delay_s)
+        super().__init__()
+
+
+class RaiseOnStep(CountingEnv):
+    """Raises ValueError on the step that reaches ``at_count``."""
+
+    def __init__(self, at_count: int = 2) -> None:
+        super().__init__(episode_length=100)
+        self.at_count = at_count
+
+    def step(self, action):
+        if self.count + 1 == self.at_count:
+            self.count += 1
+            raise ValueError(f"boom at count {self.count}")
+        return super().step(action)
+
+
+class RaiseInInit(gym.Env):
+    def __init__(self) -> None:
+        raise RuntimeError("cannot build this env")
+
+
+def _crash_once(marker: str) -> bool:
+    """True the first time it is called for ``marker`` across all processes."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def segfault() -> None:
+    ctypes.string_at(0)
+
+
+class SegfaultOnceOnStep(CountingEnv):
+    """Segfaults on step ``at_count`` of the first worker that gets there (marker file)."""
+
+    def __init__(self, marker: str, at_count: int = 3) -> None:
+        super().__init__(episode_length=10)
+        self.marker, self.at_count = marker, at_count
+
+    def step(self, action):
+        if self.count + 1 == self.at_count and _crash_once(self.marker):
+            segfault()
+        return super().step(action)
+
+
+class SlowReset(CountingEnv):
+    """reset() takes ``delay_s`` seconds; used to kill a worker in the middle of a reset."""
+
+    def __init__(self, delay_s: float = 0.5) -> None:
+        super().__init__(episode_length=10)
+        self.delay_s = delay_s
+
+    def reset(self, *, seed=None, options=None):
+        time.sleep(self.delay_s)
+        return super().reset(seed=seed, options=options)
+
+
+class BoxActionEnv(gym.Env):
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Box(-1, 1, shape=(3,), dtype=np.float32)
+        self.action_space = gym.spaces.Box(-1, 1, shape=(2,), dtype=np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, dtype=np.float32), {}
+
+    def step(self, action):
+        return np.zeros(3, dtype=np.float32), float(np.sum(action)), False, False, {}
+
+
+def marker_path(tmp_path: pathlib.Path, name: str = "crashed") -> str:
+    return str(tmp_path / name)

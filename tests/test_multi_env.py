@@ -1,0 +1,250 @@
+import os
+import signal
+import threading
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.error import ClosedEnvironmentError
+from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
+
+from multienv import EnvStateError, MultiEnv, create_subprocess_envs
+from tests.conftest import live_workers
+from tests.envs import (
+    BoxActionEnv,
+    CountingEnv,
+    DictObsEnv,
+    SegfaultOnceOnStep,
+    SlowReset,
+)
+
+MODES = list(AutoresetMode)
+
+
+def cartpole():
+    return gym.make("CartPole-v1")
+
+
+def assert_same_tree(a, b, where):
+    if isinstance(a, tuple | list):
+        assert len(a) == len(b), where
+        for position, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_tree(x, y, f"{where}[{position}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_tree(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, np.ndarray) and a.dtype == object:
+        assert len(a) == len(b), where
+        for x, y in zip(a, b, strict=True):
+            assert_same_tree(x, y, where)
+    else:
+        np.testing.assert_array_equal(a, b, err_msg=where)
+
+
+def run_side_by_side(factory, mode, steps, num_envs=4, seed=7):
+    """Step MultiEnv and SyncVectorEnv with the same actions; return how many episodes ended."""
+    fns = [factory] * num_envs
+    ours, ref = MultiEnv(fns, autoreset_mode=mode), SyncVectorEnv(fns, autoreset_mode=mode)
+    ended = 0
+    try:
+        assert_same_tree(ours.reset(seed=seed), ref.reset(seed=seed), "reset")
+        ref.action_space.seed(seed)
+        for t in range(steps):
+            actions = ref.action_space.sample()
+            got, want = ours.step(actions), ref.step(actions)
+            assert_same_tree(list(got), list(want), f"{mode} step {t}")
+            done = want[2] | want[3]
+            ended += int(done.sum())
+            if mode is AutoresetMode.DISABLED and done.any():
+                options = {"reset_mask": done}
+                assert_same_tree(
+                    ours.reset(options=dict(options)), ref.reset(options=dict(options)), f"mask {t}"
+                )
+    finally:
+        ours.close()
+        ref.close()
+    return ended
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_cartpole_matches_sync_vector_env_step_by_step(mode):
+    assert run_side_by_side(cartpole, mode, steps=500) > 10
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_dict_observations_match_sync_vector_env_step_by_step(mode):
+    assert run_side_by_side(DictObsEnv, mode, steps=500) > 10
+
+
+def test_is_a_gymnasium_vector_env_with_batched_spaces():
+    with MultiEnv([cartpole] * 3, autoreset_mode="SameStep") as envs:
+        assert isinstance(envs, VectorEnv)
+        assert envs.num_envs == 3
+        assert envs.single_observation_space == cartpole().observation_space
+        assert envs.observation_space.shape == (3, 4)
+        assert envs.action_space.shape == (3,)
+        assert envs.metadata["autoreset_mode"] is AutoresetMode.SAME_STEP
+        assert len(envs.envs) == 3 and all(e.pid for e in envs.envs)
+    assert envs.closed
+    assert live_workers() == []
+
+
+def test_reset_seeds_int_list_and_mask():
+    with MultiEnv([CountingEnv] * 3) as envs:
+        _, infos = envs.reset(seed=10)
+        assert infos["seed_used"].tolist() == [10, 11, 12]
+        _, infos = envs.reset(seed=[5, None, 6])
+        assert infos["seed_used"].tolist() == [5, -1, 6]
+        envs.step(np.array([1, 1, 1]))
+        obs, infos = envs.reset(options={"reset_mask": np.array([False, True, False])})
+        assert obs[:, 0].tolist() == [1.0, 0.0, 1.0]
+        assert infos["_seed_used"].tolist() == [False, True, False]
+        with pytest.raises(ValueError, match="3 envs"):
+            envs.reset(seed=[1, 2])
+        with pytest.raises(TypeError, match="reset_mask"):
+            envs.reset(options={"reset_mask": [True, False, True]})
+
+
+def test_step_async_and_step_wait():
+    with MultiEnv([CountingEnv] * 2) as envs:
+        envs.reset()
+        envs.step_async(np.array([1, 0]))
+        with pytest.raises(EnvStateError, match="pending"):
+            envs.step(np.array([1, 0]))
+        obs, rewards, *_ = envs.step_wait(timeout=10)
+        assert obs[:, 0].tolist() == [1.0, 1.0] and rewards.tolist() == [1.0, 0.0]
+        with pytest.raises(EnvStateError, match="without a pending"):
+            envs.step_wait()
+
+
+def test_call_get_attr_set_attr_render():
+    with MultiEnv([lambda: CountingEnv(render_mode="rgb_array")] * 2) as envs:
+        envs.reset()
+        assert envs.call("add", 1, b=2) == (3, 3)
+        assert envs.get_attr("episode_length") == (5, 5)
+        envs.set_attr("scale", [2.0, 3.0])
+        assert envs.step(np.array([1, 1]))[1].tolist() == [2.0, 3.0]
+        assert [frame.shape for frame in envs.render()] == [(2, 2, 3)] * 2
+        with pytest.raises(ValueError, match="one value per env"):
+            envs.set_attr("scale", [1.0])
+
+
+def test_wrong_number_of_actions_raises_before_sending():
+    with MultiEnv([CountingEnv] * 3) as envs:
+        envs.reset()
+        with pytest.raises(ValueError, match=r"expected 3 actions \(one per env"):
+            envs.step(np.array([1, 1]))
+        assert [e.steps for e in envs.envs] == [0, 0, 0]
+
+
+def test_wrong_action_shape_names_the_env():
+    with MultiEnv([BoxActionEnv] * 3) as envs:
+        envs.reset()
+        bad = [np.zeros(2), np.zeros(2), np.zeros(3)]
+        with pytest.raises(ValueError, match=r"env 2: action has shape \(3,\); expected \(2,\)"):
+            envs.step(bad)
+        with pytest.raises(ValueError, match=r"expected 3 actions"):
+            envs.step(np.zeros((2, 2)))
+        assert [e.steps for e in envs.envs] == [0, 0, 0]
+        assert envs.step(np.zeros((3, 2), dtype=np.float32))[1].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_float_actions_for_discrete_space_are_rejected():
+    with MultiEnv([CountingEnv] * 2) as envs:
+        envs.reset()
+        with pytest.raises(ValueError, match="integer actions"):
+            envs.step(np.array([0.5, 1.0]))
+
+
+def test_mismatched_spaces_name_the_first_differing_env_and_leave_no_worker():
+    fns = [CountingEnv, CountingEnv, BoxActionEnv]
+    with pytest.raises(ValueError, match=r"env 2: observation_space .* differs from env 0"):
+        MultiEnv(fns)
+    assert live_workers() == []
+
+
+def test_unpicklable_env_fn_names_the_env_and_leaves_no_worker():
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="env 1: env_fn"):
+        MultiEnv([CountingEnv, lambda: lock and CountingEnv()])
+    assert live_workers() == []
+
+
+def test_ready_proxies_are_adopted_and_options_with_them_are_rejected():
+    proxies = create_subprocess_envs([CountingEnv] * 2)
+    with pytest.raises(TypeError, match="options apply only"):
+        MultiEnv(proxies, step_timeout=1.0)
+    with MultiEnv(proxies) as envs:
+        assert envs.reset()[0].shape == (2, 1)
+
+
+def test_calls_after_close_raise_closed_environment_error():
+    envs = MultiEnv([CountingEnv])
+    envs.close()
+    with pytest.raises(ClosedEnvironmentError):
+        envs.reset()
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_step_after_sigkill_returns_flagged_truncation_and_goes_on(mode):
+    with MultiEnv([cartpole] * 4, autoreset_mode=mode) as envs:
+        obs, _ = envs.reset(seed=0)
+        actions = np.zeros(4, dtype=np.int64)
+        for _ in range(5):
+            obs, *_ = envs.step(actions)
+        seen = obs[2].copy()
+        old_pid = envs.envs[2].pid
+        os.kill(old_pid, signal.SIGKILL)
+        obs, rewards, terminations, truncations, infos = envs.step(actions)
+        assert obs.shape == (4, 4)
+        assert truncations.tolist() == [False, False, True, False]
+        assert not terminations[2] and rewards[2] == 0.0
+        flag = infos["multienv"]
+        assert flag["_restarted"].tolist() == [False, False, True, False]
+        assert flag["cause"][2] == "SIGKILL" and flag["restarts"][2] == 1
+        if mode is AutoresetMode.SAME_STEP:
+            np.testing.assert_array_equal(infos["final_obs"][2], seen)
+        else:
+            np.testing.assert_array_equal(obs[2], seen)
+        if mode is AutoresetMode.DISABLED:
+            envs.reset(options={"reset_mask": truncations})
+        assert envs.envs[2].pid != old_pid
+        for _ in range(300):
+            obs, rewards, terminations, truncations, infos = envs.step(actions)
+            if mode is AutoresetMode.DISABLED and (terminations | truncations).any():
+                envs.reset(options={"reset_mask": terminations | truncations})
+        assert envs.stats()[2]["restarts"] == 1
+
+
+@pytest.mark.fault
+def test_segfaulting_env_is_respawned_and_step_returns_truncation(tmp_path):
+    marker = str(tmp_path / "segv")
+    with MultiEnv([lambda: SegfaultOnceOnStep(marker, at_count=3)] * 2) as envs:
+        envs.reset()
+        for _ in range(2):
+            envs.step(np.array([1, 1]))
+        _, _, _, truncations, infos = envs.step(np.array([1, 1]))
+        crashed = int(np.flatnonzero(truncations)[0])
+        assert truncations.sum() == 1
+        assert infos["multienv"]["cause"][crashed] == "SIGSEGV"
+        for _ in range(200):
+            envs.step(np.array([1, 1]))
+        assert envs.stats()[crashed]["restarts"] == 1
+
+
+@pytest.mark.fault
+def test_worker_killed_during_reset_is_replayed():
+    with MultiEnv([lambda: SlowReset(0.5)] * 2) as envs:
+        victim = envs.envs[1].pid
+        timer = threading.Timer(0.2, os.kill, (victim, signal.SIGKILL))
+        timer.start()
+        obs, infos = envs.reset(seed=3)
+        timer.join()
+        assert obs[:, 0].tolist() == [0.0, 0.0]
+        assert infos["seed_used"].tolist() == [3, 4]
+        assert envs.envs[1].pid != victim
+        assert envs.stats()[1]["restarts"] == 1
+        for _ in range(20):
+            envs.step(np.array([0, 1]))
