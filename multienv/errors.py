@@ -17,7 +17,7 @@ class MultiEnvError(Exception):
 
 
 class EnvStateError(MultiEnvError, RuntimeError):
-    """The call is not allowed in the env's current state, e.g. ``step()`` before ``initialize()``."""
+    """The call is not allowed in the env's current state, e.g. ``step()`` before ``start()``."""
 
 
 class EnvError(MultiEnvError):

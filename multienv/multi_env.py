@@ -162,13 +162,15 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self._check_idle("reset")
         seeds = self._seeds(seed)
         options = dict(options) if options is not None else None
-        mask = self._reset_mask(options.pop("reset_mask") if options and "reset_mask" in options else None)
+        mask = self._reset_mask(options.pop("reset_mask", None) if options else None)
         indices = [i for i in range(self.num_envs) if mask[i]]
 
         def send(i: int) -> None:
             self._wrappers[i].send_reset(seed=seeds[i], options=options)
 
-        results = self._gather(self._fan_out(indices, send, lambda i: self._wrappers[i].recv_reset()))
+        results = self._gather(
+            self._fan_out(indices, send, lambda i: self._wrappers[i].recv_reset())
+        )
         infos: dict[str, Any] = {}
         for i in indices:
             self._env_obs[i], info = results[i]
@@ -198,7 +200,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         """
         if self._pending is None:
             raise EnvStateError("step_wait() called without a pending step_async().")
-        done, not_done = wait_futures(self._pending, timeout)
+        _done, not_done = wait_futures(self._pending, timeout)
         if not_done:
             raise TimeoutError(
                 f"step_wait() timed out after {timeout} s with {len(not_done)} of "
@@ -282,8 +284,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise ClosedEnvironmentError(f"MultiEnv.{name}() called after close().")
         if self._pending is not None:
             raise EnvStateError(
-                f"MultiEnv.{name}() called while a step_async() is pending; call step_wait() "
-                "first."
+                f"MultiEnv.{name}() called while a step_async() is pending; call step_wait() first."
             )
 
     def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
@@ -351,9 +352,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         if isinstance(space, gym.spaces.Discrete | gym.spaces.MultiDiscrete) and not (
             np.issubdtype(batch.dtype, np.integer)
         ):
-            raise ValueError(
-                f"expected integer actions for {space!r}, got dtype {batch.dtype}."
-            )
+            raise ValueError(f"expected integer actions for {space!r}, got dtype {batch.dtype}.")
         if isinstance(space, gym.spaces.Discrete):
             return batch.tolist()  # Python ints pickle several times faster than numpy scalars
         return list(batch)
@@ -371,7 +370,9 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
         return send, recv
 
-    def _finish_step(self, results: dict[int, StepResult]) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    def _finish_step(
+        self, results: dict[int, StepResult]
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         n = self.num_envs
         rewards = np.zeros(n, dtype=np.float64)
         terminations = np.zeros(n, dtype=np.bool_)
@@ -418,7 +419,9 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
         for outcome in outcomes:
-            slice_results, slice_errors = outcome.result() if isinstance(outcome, Future) else outcome
+            slice_results, slice_errors = (
+                outcome.result() if isinstance(outcome, Future) else outcome
+            )
             results.update(slice_results)
             errors.update(slice_errors)
         if errors:
@@ -469,5 +472,3 @@ def _check_ready(proxies: Sequence[Any]) -> None:
                 "initialize() done, as create_subprocess_envs() returns them).",
                 env_index=env_index,
             )
-
-

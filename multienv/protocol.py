@@ -2,8 +2,9 @@
 
 Every request is a tuple ``(int(Command), payload)``; every reply is a tuple
 ``(int(Status), payload)``. Both are framed with ``Connection.send_bytes`` and plain
-``pickle`` (``encode``/``decode``): multiprocessing's own ``send`` builds a ForkingPickler per
-message and enum members pickle by class lookup, which together cost more than a CartPole step. A worker sends one unsolicited reply when it starts: ``(OK,
+``pickle`` (``encode``/``decode``): multiprocessing's own ``send`` builds a ForkingPickler
+per message and enum members pickle by class lookup, which together cost more than a
+CartPole step. A worker sends one unsolicited reply when it starts: ``(OK,
 EnvDescription)`` once the env is built, or ``(ERROR, RemoteFailure)`` if ``env_fn`` raised.
 """
 

@@ -36,7 +36,8 @@ class RestartPolicy:
             raise ValueError(f"window_s must be > 0, got {self.window_s!r}")
         if self.backoff < 0 or self.max_backoff_s < 0:
             raise ValueError(
-                f"backoff and max_backoff_s must be >= 0, got {self.backoff!r}, {self.max_backoff_s!r}"
+                "backoff and max_backoff_s must be >= 0, "
+                f"got {self.backoff!r}, {self.max_backoff_s!r}"
             )
 
     @classmethod

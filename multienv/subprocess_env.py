@@ -1,4 +1,4 @@
-"""PARENT SIDE: the SubprocessEnv proxy (start, initialize, respawn, close) and create_subprocess_envs().
+"""PARENT SIDE: the SubprocessEnv proxy (start/initialize/respawn/close), create_subprocess_envs().
 
 A SubprocessEnv is a ``gymnasium.Env`` whose env lives in one daemon worker process. It owns
 that process, its pipes and its restart budget. Failure semantics (DESIGN.md):
@@ -339,7 +339,9 @@ class SubprocessEnv(gym.Env[Any, Any]):
         if state is EnvState.BROKEN and self._broken_error is not None:
             raise copy.copy(self._broken_error)
         hints = {
-            EnvState.CREATED: "call start() and initialize() first, or use create_subprocess_envs()",
+            EnvState.CREATED: (
+                "call start() and initialize() first, or use create_subprocess_envs()"
+            ),
             EnvState.STARTED: "call initialize() first",
             EnvState.READY: f"{name}() may be called only once",
         }
@@ -412,7 +414,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
     def _receive(self, deadline: float | None) -> Any:
         """Wait for one reply or the worker's death, whichever comes first, up to ``deadline``."""
         conn, process = self._conn, self._process
-        assert conn is not None and process is not None
+        assert conn is not None
+        assert process is not None
         timeout_ms = (
             None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
         )
@@ -552,7 +555,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
             deaths = len(policy.recent(self._restart_times, time.monotonic())) + 1
             error = EnvCrashLoopError(
                 f"env {self.env_index}: worker died {deaths} times in {policy.window_s:g} s "
-                f"(RestartPolicy max_restarts={policy.max_restarts}, window_s={policy.window_s:g}); "
+                f"(RestartPolicy max_restarts={policy.max_restarts}, "
+                f"window_s={policy.window_s:g}); "
                 f"last cause {cause}; its last stderr lines follow. Fix the crash or loosen "
                 f"the policy.\n{stderr_text}",
                 env_index=self.env_index,

@@ -6,7 +6,7 @@ import ctypes
 import os
 import pathlib
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium as gym
 import numpy as np
@@ -15,7 +15,7 @@ import numpy as np
 class CountingEnv(gym.Env):
     """Observation is the step count in the episode; terminates after ``episode_length`` steps."""
 
-    metadata = {"render_modes": ["rgb_array"]}
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"]}
 
     def __init__(self, episode_length: int = 5, render_mode: str | None = None) -> None:
         self.observation_space = gym.spaces.Box(0, 1000, shape=(1,), dtype=np.float32)
@@ -70,7 +70,13 @@ class DictObsEnv(gym.Env):
         self.position = np.clip(self.position + action + self.np_random.normal(0, 0.1, 2), -10, 10)
         terminated = bool(np.abs(self.position).max() > 3)
         truncated = self.t >= 40
-        return self._obs(), -float(np.abs(self.position).sum()), terminated, truncated, {"t": self.t}
+        return (
+            self._obs(),
+            -float(np.abs(self.position).sum()),
+            terminated,
+            truncated,
+            {"t": self.t},
+        )
 
     def _obs(self) -> dict[str, Any]:
         return {"position": self.position.copy(), "mode": int(self.t % 3)}

@@ -85,7 +85,8 @@ def test_is_a_gymnasium_vector_env_with_batched_spaces():
         assert envs.observation_space.shape == (3, 4)
         assert envs.action_space.shape == (3,)
         assert envs.metadata["autoreset_mode"] is AutoresetMode.SAME_STEP
-        assert len(envs.envs) == 3 and all(e.pid for e in envs.envs)
+        assert len(envs.envs) == 3
+        assert all(e.pid for e in envs.envs)
     assert envs.closed
     assert live_workers() == []
 
@@ -113,7 +114,8 @@ def test_step_async_and_step_wait():
         with pytest.raises(EnvStateError, match="pending"):
             envs.step(np.array([1, 0]))
         obs, rewards, *_ = envs.step_wait(timeout=10)
-        assert obs[:, 0].tolist() == [1.0, 1.0] and rewards.tolist() == [1.0, 0.0]
+        assert obs[:, 0].tolist() == [1.0, 1.0]
+        assert rewards.tolist() == [1.0, 0.0]
         with pytest.raises(EnvStateError, match="without a pending"):
             envs.step_wait()
 
@@ -200,10 +202,12 @@ def test_step_after_sigkill_returns_flagged_truncation_and_goes_on(mode):
         obs, rewards, terminations, truncations, infos = envs.step(actions)
         assert obs.shape == (4, 4)
         assert truncations.tolist() == [False, False, True, False]
-        assert not terminations[2] and rewards[2] == 0.0
+        assert not terminations[2]
+        assert rewards[2] == 0.0
         flag = infos["multienv"]
         assert flag["_restarted"].tolist() == [False, False, True, False]
-        assert flag["cause"][2] == "SIGKILL" and flag["restarts"][2] == 1
+        assert flag["cause"][2] == "SIGKILL"
+        assert flag["restarts"][2] == 1
         if mode is AutoresetMode.SAME_STEP:
             np.testing.assert_array_equal(infos["final_obs"][2], seen)
         else:

@@ -28,7 +28,9 @@ def env():
 
 def test_step_before_start_names_the_missing_call():
     proxy = SubprocessEnv(CountingEnv)
-    with pytest.raises(EnvStateError, match=r"env 0: step\(\) called in state CREATED; call start\(\)"):
+    with pytest.raises(
+        EnvStateError, match=r"env 0: step\(\) called in state CREATED; call start\(\)"
+    ):
         proxy.step(0)
     proxy.close()
 
@@ -63,7 +65,8 @@ def test_initialize_caches_spaces_metadata_and_spec():
         assert proxy.observation_space == gym.make("CartPole-v1").observation_space
         assert proxy.action_space == gym.spaces.Discrete(2)
         assert proxy.render_mode == "rgb_array"
-        assert proxy.spec is not None and proxy.spec.id == "CartPole-v1"
+        assert proxy.spec is not None
+        assert proxy.spec.id == "CartPole-v1"
         assert proxy.metadata["render_fps"] == 50
         assert proxy.pid is not None
     finally:
@@ -72,9 +75,16 @@ def test_initialize_caches_spaces_metadata_and_spec():
 
 def test_reset_step_render_call_get_set_attr(env):
     obs, info = env.reset(seed=3)
-    assert obs.tolist() == [0.0] and info == {"seed_used": 3}
+    assert obs.tolist() == [0.0]
+    assert info == {"seed_used": 3}
     obs, reward, terminated, truncated, info = env.step(1)
-    assert (obs.tolist(), reward, terminated, truncated, info) == ([1.0], 1.0, False, False, {"count": 1})
+    assert (obs.tolist(), reward, terminated, truncated, info) == (
+        [1.0],
+        1.0,
+        False,
+        False,
+        {"count": 1},
+    )
     assert env.render().shape == (2, 2, 3)
     assert env.call("add", 2, b=5) == 7
     assert env.get_attr("episode_length") == 5
@@ -135,7 +145,8 @@ def test_env_error_carries_index_type_message_and_traceback_and_worker_survives(
         original = caught.value.__cause__
         assert isinstance(original, ValueError)
         worker_traceback = str(original.__cause__)
-        assert "tests/envs.py" in worker_traceback and "raise ValueError" in worker_traceback
+        assert "tests/envs.py" in worker_traceback
+        assert "raise ValueError" in worker_traceback
         assert proxy.pid == pid
         proxy.reset()
         assert proxy.step(1)[0].tolist() == [1.0]
