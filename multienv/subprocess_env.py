@@ -71,7 +71,7 @@ _PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
 # "__main__" too, as multiprocessing does by default: otherwise every worker re-imports the
 # user's script on start.
 _FORKSERVER_PRELOAD = ["__main__", "numpy", "gymnasium", "cloudpickle", "multienv.worker"]
-_STDERR_TAIL_LINES = 20
+_STDERR_TAIL_LINES = 30
 
 
 class EnvState(enum.Enum):

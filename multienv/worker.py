@@ -61,7 +61,7 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.dup2(stderr_conn.fileno(), 2)
     stderr_conn.close()
-    faulthandler.enable()
+    faulthandler.enable(all_threads=False)  # the crashing env thread; not our watcher
     libc = _libc()
     if libc is not None:
         libc.prctl(_PR_SET_NAME, f"{OS_NAME_PREFIX}{env_index}".encode()[:15])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import sys
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -163,3 +165,112 @@ class BoxActionEnv(gym.Env):
 
 def marker_path(tmp_path: pathlib.Path, name: str = "crashed") -> str:
     return str(tmp_path / name)
+
+
+class ExitOnStep(CountingEnv):
+    """Calls os._exit(code) on step ``at_count`` of the first worker that gets there."""
+
+    def __init__(self, marker: str, at_count: int = 2, code: int = 1) -> None:
+        super().__init__(episode_length=10)
+        self.marker, self.at_count, self.code = marker, at_count, code
+
+    def step(self, action):
+        if self.count + 1 == self.at_count and _crash_once(self.marker):
+            os._exit(self.code)
+        return super().step(action)
+
+
+class SegfaultEveryStep(CountingEnv):
+    """Writes a line to stderr, then segfaults, on every step: a crash loop."""
+
+    def step(self, action):
+        sys.stderr.write("about to dereference NULL\n")
+        sys.stderr.flush()
+        segfault()
+
+
+class AllocateOnStep(CountingEnv):
+    """Allocates 2 GiB, a chunk at a time, on every step (to be killed mid-allocation)."""
+
+    def step(self, action):
+        chunks = [np.ones(2**24) for _ in range(16)]  # 16 x 128 MiB = 2 GiB, in about 1 s
+        del chunks
+        return super().step(action)
+
+
+class HangOnStep(CountingEnv):
+    """Sleeps ``hang_s`` seconds on step ``at_count`` (in every worker)."""
+
+    def __init__(self, at_count: int = 2, hang_s: float = 3600.0) -> None:
+        super().__init__(episode_length=100)
+        self.at_count, self.hang_s = at_count, hang_s
+
+    def step(self, action):
+        if self.count + 1 == self.at_count:
+            time.sleep(self.hang_s)
+        return super().step(action)
+
+
+class HangOnResetOnce(CountingEnv):
+    """Hangs forever in reset() in the first worker only."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def reset(self, *, seed=None, options=None):
+        if _crash_once(self.marker):
+            time.sleep(3600)
+        return super().reset(seed=seed, options=options)
+
+
+class HangInInitOnce(CountingEnv):
+    def __init__(self, marker: str) -> None:
+        if _crash_once(marker):
+            time.sleep(3600)
+        super().__init__()
+
+
+class CrashInInitOnce(CountingEnv):
+    def __init__(self, marker: str) -> None:
+        if _crash_once(marker):
+            os._exit(3)
+        super().__init__()
+
+
+class CrashInInitAlways(CountingEnv):
+    def __init__(self) -> None:
+        os._exit(4)
+
+
+class WrongObsShape(CountingEnv):
+    def step(self, action):
+        _obs, *rest = super().step(action)
+        return np.zeros(3, dtype=np.float32), *rest
+
+
+class WrongObsDtype(gym.Env):
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Box(0, 255, shape=(2, 2), dtype=np.uint8)
+        self.action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros((2, 2), dtype=np.uint8), {}
+
+    def step(self, action):
+        return np.full((2, 2), 0.5), 0.0, False, False, {}
+
+
+class UnpicklableInfo(CountingEnv):
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.count == 2:
+            info["handle"] = threading.Lock()
+        return obs, reward, terminated, truncated, info
+
+
+class Chaotic(CountingEnv):
+    """CountingEnv with long episodes, for the chaos soak."""
+
+    def __init__(self) -> None:
+        super().__init__(episode_length=37)
