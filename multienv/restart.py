@@ -13,8 +13,9 @@ from collections.abc import Sequence
 class RestartPolicy:
     """At most ``max_restarts`` respawns in any ``window_s`` seconds, with exponential backoff.
 
-    The first respawn in a window is immediate; the k-th waits ``backoff * 2 ** (k - 2)``
-    seconds, capped at ``max_backoff_s``, so a crash loop does not burn a core.
+    Backoff follows consecutive failures (deaths with no successful call in between), not
+    the window: a respawn after a worker that was working is immediate, the k-th respawn of
+    a crash loop waits ``backoff * 2 ** (k - 2)`` seconds, capped at ``max_backoff_s``.
 
     Args:
         max_restarts: Respawns allowed inside any window; 0 turns respawning off.
@@ -54,16 +55,18 @@ class RestartPolicy:
         """Return the restart times that still fall inside the window ending at ``now``."""
         return [t for t in restart_times if now - t < self.window_s]
 
-    def next_delay(self, restart_times: Sequence[float], now: float) -> float | None:
+    def next_delay(
+        self, restart_times: Sequence[float], now: float, consecutive: int = 0
+    ) -> float | None:
         """Return the seconds to wait before the next respawn, or None if the budget is spent.
 
         Args:
             restart_times: Monotonic times of earlier respawns (older ones are ignored).
             now: The current monotonic time.
+            consecutive: Respawns since the last successful call to the env.
         """
-        count = len(self.recent(restart_times, now))
-        if count >= self.max_restarts:
+        if len(self.recent(restart_times, now)) >= self.max_restarts:
             return None
-        if count == 0:
+        if consecutive == 0:
             return 0.0
-        return float(min(self.backoff * 2 ** (count - 1), self.max_backoff_s))
+        return float(min(self.backoff * 2 ** (consecutive - 1), self.max_backoff_s))

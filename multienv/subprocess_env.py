@@ -194,6 +194,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._sent_at = 0.0
         self._last_obs: Any = None
         self._restart_times: list[float] = []
+        self._consecutive_restarts = 0  # respawns since the last successful call
         self._broken_error: EnvCrashedError | None = None
         self._is_closing = threading.Event()
         self.restarts = 0
@@ -474,6 +475,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
                 self._kill()
                 return self._recover(command, payload, f"error: {result.type_name}")
             raise self._env_error(result, command.name.lower())
+        self._consecutive_restarts = 0
         if command is Command.STEP:
             self.steps += 1
             self.step_latencies_s.append(time.perf_counter() - self._sent_at)
@@ -522,10 +524,11 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self.last_failure = cause
         now = time.monotonic()
         policy = self._restart_policy
-        delay = policy.next_delay(self._restart_times, now)
+        delay = policy.next_delay(self._restart_times, now, self._consecutive_restarts)
         if delay is None:
             self._become_broken(pid, cause)
         self._restart_times = [*policy.recent(self._restart_times, now), now]
+        self._consecutive_restarts += 1
         self.restarts += 1
         logger.warning(
             "env %d: worker pid %s died (%s); respawning (%d/%d in %g s)",

@@ -1,0 +1,503 @@
+"""Synchronous advantage actor-critic (A2C) on CartPole, with NumPy only, on a MultiEnv.
+
+Run: python scripts/a2c.py                      (solves CartPole-v1, writes runs/<timestamp>/)
+     python scripts/a2c.py --chaos-kill-every 200   (SIGKILLs a random worker every 200 steps)
+
+The envs run in worker processes; the policy and value networks are small NumPy MLPs
+trained with Adam on n-step returns. The run stops when the mean return of the last 20
+complete episodes reaches 475 (exit 0) or the step budget runs out (exit 1).
+
+Bootstrapping is where hand-written A2C scripts usually go wrong: on termination the return
+is the reward alone; on truncation (the time limit, and the truncation multienv reports when
+a worker crashed) the return bootstraps from the value of the final observation, which
+same-step autoreset hands over in ``infos["final_obs"]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import functools
+import itertools
+import logging
+import os
+import pathlib
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from multienv import MultiEnv, RestartPolicy
+
+
+@dataclasses.dataclass
+class Args:
+    env_id: str = "CartPole-v1"  # Gymnasium id with a Box observation and Discrete action space
+    num_envs: int = 8  # parallel envs, one worker process each
+    n_steps: int = 16  # steps per env between updates (the n of n-step returns)
+    total_steps: int = 1_000_000  # budget of env steps (all envs together)
+    gamma: float = 0.99  # discount factor
+    learning_rate: float = 1e-3  # Adam step size, for both networks
+    ent_coef: float = 0.01  # weight of the entropy bonus in the policy loss
+    max_grad_norm: float = 0.5  # clip each network's gradient to this global norm
+    hidden: int = 64  # units in each of the two hidden layers
+    seed: int = 0  # seeds the envs, the weights and the action sampling
+    target_return: float = 475.0  # solved when the recent mean return reaches this
+    window: int = 20  # episodes in the recent mean
+    chaos_kill_every: int = 0  # SIGKILL a random worker every K env steps; 0 turns it off
+    max_restarts: int = 50  # restart budget per env per minute (chaos mode needs far more)
+    out_dir: str = ""  # where to write returns.csv and curve.png; default runs/<timestamp>
+    progress_every_s: float = 1.0  # seconds between progress lines on stderr
+
+
+def make_env(env_id: str) -> Callable[[], gym.Env]:
+    """Return a zero-argument env factory for the workers.
+
+    A partial of ``gym.make`` pickles by reference to gymnasium, which every worker can
+    import, whether this file runs as a script or is imported by a test or by a3c.py.
+    """
+    return functools.partial(gym.make, env_id)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class MLP:
+    """Two tanh hidden layers and a linear output, with hand-written backprop."""
+
+    def __init__(self, sizes: list[int], rng: np.random.Generator, out_scale: float) -> None:
+        self.params: list[np.ndarray] = []
+        for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
+            scale = out_scale if i == len(sizes) - 2 else np.sqrt(2.0)
+            q, _ = np.linalg.qr(rng.normal(size=(max(fan_in, fan_out), min(fan_in, fan_out))))
+            weight = q if fan_in >= fan_out else q.T  # orthogonal init, as in most A2C code
+            self.params += [scale * weight[:fan_in, :fan_out], np.zeros(fan_out)]
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Return the output and the activations that ``backward`` needs."""
+        activations = [x]
+        for i in range(0, len(self.params) - 2, 2):
+            x = np.tanh(x @ self.params[i] + self.params[i + 1])
+            activations.append(x)
+        return x @ self.params[-2] + self.params[-1], activations
+
+    def backward(self, grad_out: np.ndarray, activations: list[np.ndarray]) -> list[np.ndarray]:
+        """Return d(loss)/d(param) for every param, given d(loss)/d(output)."""
+        grads: list[np.ndarray] = [np.empty(0)] * len(self.params)
+        grad = grad_out
+        for layer in range(len(self.params) // 2 - 1, -1, -1):
+            inputs = activations[layer]
+            grads[2 * layer] = inputs.T @ grad
+            grads[2 * layer + 1] = grad.sum(axis=0)
+            if layer > 0:
+                grad = (grad @ self.params[2 * layer].T) * (1.0 - inputs**2)
+        return grads
+
+
+class Adam:
+    """Adam on a list of arrays, updated in place, with global-norm gradient clipping."""
+
+    def __init__(self, params: list[np.ndarray], lr: float, max_grad_norm: float) -> None:
+        self.params, self.lr, self.max_grad_norm = params, lr, max_grad_norm
+        self.m = [np.zeros_like(p) for p in params]
+        self.v = [np.zeros_like(p) for p in params]
+        self.t = 0
+
+    def step(self, grads: list[np.ndarray]) -> float:
+        norm = float(np.sqrt(sum(float((g * g).sum()) for g in grads)))
+        clip = min(1.0, self.max_grad_norm / (norm + 1e-8))
+        self.t += 1
+        beta1, beta2 = 0.9, 0.999
+        for p, g, m, v in zip(self.params, grads, self.m, self.v, strict=True):
+            g = g * clip
+            m *= beta1
+            m += (1 - beta1) * g
+            v *= beta2
+            v += (1 - beta2) * g * g
+            m_hat = m / (1 - beta1**self.t)
+            v_hat = v / (1 - beta2**self.t)
+            p -= self.lr * m_hat / (np.sqrt(v_hat) + 1e-8)
+        return norm
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def nstep_returns(
+    rewards: np.ndarray,
+    terminations: np.ndarray,
+    truncations: np.ndarray,
+    final_values: np.ndarray,
+    bootstrap_values: np.ndarray,
+    gamma: float,
+) -> np.ndarray:
+    """n-step discounted returns of a rollout, arrays shaped (n_steps, num_envs).
+
+    At a termination the return is the reward alone. At a truncation it bootstraps from
+    ``final_values`` (the value of the episode's final observation); the episode does not
+    continue into the next one. After the last step it bootstraps from ``bootstrap_values``.
+    """
+    returns = np.zeros_like(rewards, dtype=np.float64)
+    following = bootstrap_values.astype(np.float64)
+    for t in range(rewards.shape[0] - 1, -1, -1):
+        following = np.where(truncations[t], final_values[t], following)
+        following = np.where(terminations[t], 0.0, following)
+        returns[t] = rewards[t] + gamma * following
+        following = returns[t]
+    return returns
+
+
+def a2c_gradients(
+    actor: MLP,
+    critic: MLP,
+    obs: np.ndarray,
+    actions: np.ndarray,
+    returns: np.ndarray,
+    ent_coef: float,
+) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, float]]:
+    """Gradients of the A2C losses for one batch, and the losses themselves."""
+    batch = obs.shape[0]
+    logits, actor_acts = actor.forward(obs)
+    values, critic_acts = critic.forward(obs)
+    values = values[:, 0]
+    probs = softmax(logits)
+    log_probs = np.log(probs + 1e-12)
+    advantages = returns - values
+    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    entropy = -(probs * log_probs).sum(axis=1)
+
+    onehot = np.eye(logits.shape[1])[actions]
+    grad_logits = -(advantages[:, None] * (onehot - probs)) / batch
+    grad_logits += ent_coef * probs * (log_probs + entropy[:, None]) / batch
+    grad_values = ((values - returns) / batch)[:, None]
+    losses = {
+        "policy_loss": float(-(advantages * log_probs[np.arange(batch), actions]).mean()),
+        "value_loss": float(0.5 * ((values - returns) ** 2).mean()),
+        "entropy": float(entropy.mean()),
+    }
+    return (
+        actor.backward(grad_logits, actor_acts),
+        critic.backward(grad_values, critic_acts),
+        losses,
+    )
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+class Recorder:
+    """Counts env steps and episode returns (thread-safe), prints progress, writes outputs."""
+
+    def __init__(self, args: Args, out_dir: pathlib.Path) -> None:
+        self.args, self.out_dir = args, out_dir
+        self.env_steps = 0
+        self.rows: list[dict[str, Any]] = []
+        self.recent: deque[float] = deque(maxlen=args.window)
+        self.kill_steps: list[int] = []
+        self.began = time.perf_counter()
+        self.last_print = 0.0
+        self.lock = threading.Lock()  # a3c.py's learner threads share one recorder
+        self.is_stopped = False  # set by stop(), e.g. when one learner thread failed
+
+    def add_steps(self, count: int) -> int:
+        with self.lock:
+            self.env_steps += count
+            return self.env_steps
+
+    def episode(self, episode_return: float, was_crashed: bool) -> None:
+        with self.lock:
+            self.rows.append(
+                {
+                    "episode": len(self.rows),
+                    "env_steps": self.env_steps,
+                    "return": episode_return,
+                    "ended_by_crash": was_crashed,
+                }
+            )
+            if not was_crashed:  # a crash cuts an episode short; it says nothing of the policy
+                self.recent.append(episode_return)
+
+    def stop(self) -> None:
+        self.is_stopped = True
+
+    @property
+    def is_done(self) -> bool:
+        return self.is_stopped or self.is_solved or self.env_steps >= self.args.total_steps
+
+    @property
+    def mean_return(self) -> float:
+        return float(np.mean(self.recent)) if self.recent else float("nan")
+
+    @property
+    def is_solved(self) -> bool:
+        return len(self.recent) == self.args.window and self.mean_return >= self.args.target_return
+
+    def progress(self, restarts: int, force: bool = False) -> None:
+        env_steps = self.env_steps
+        now = time.perf_counter()
+        if not force and now - self.last_print < self.args.progress_every_s:
+            return
+        self.last_print = now
+        rate = env_steps / max(now - self.began, 1e-9)
+        is_tty = sys.stderr.isatty()  # redraw one line on a terminal, else one line each
+        print(
+            "\r" if is_tty else "",
+            f"steps {env_steps:>9,}  {rate:>7,.0f} steps/s  "
+            f"episodes {len(self.rows):>5}  mean return {self.mean_return:7.1f}  "
+            f"restarts {restarts}",
+            sep="",
+            end="" if is_tty else "\n",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def summary(self, restarts: int, losses: dict[str, float]) -> int:
+        """Print the final line; return the exit code (0 when solved)."""
+        self.progress(restarts, force=True)
+        self.write()
+        elapsed = time.perf_counter() - self.began
+        status = "solved" if self.is_solved else "budget ran out"
+        print(
+            f"\n{status}: {self.env_steps:,} env steps in {elapsed:.1f} s "
+            f"({self.env_steps / elapsed:,.0f} steps/s); {len(self.rows)} episodes, mean of "
+            f"last {self.args.window} complete episodes {self.mean_return:.1f}; workers "
+            f"killed {len(self.kill_steps)}, respawned {restarts}; final losses "
+            f"{', '.join(f'{k} {v:.3g}' for k, v in losses.items())}; outputs in {self.out_dir}",
+            file=sys.stderr,
+        )
+        return 0 if self.is_solved else 1
+
+    def write(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "returns.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, ["episode", "env_steps", "return", "ended_by_crash"])
+            writer.writeheader()
+            writer.writerows(self.rows)
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print(
+                "matplotlib is not installed (pip install -e '.[examples]'); skipping curve.png",
+                file=sys.stderr,
+            )
+            return
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        steps = [r["env_steps"] for r in self.rows]
+        returns = [r["return"] for r in self.rows]
+        ax.plot(steps, returns, ".", ms=3, alpha=0.35, label="episode return")
+        if len(returns) >= self.args.window:
+            kernel = np.ones(self.args.window) / self.args.window
+            ax.plot(
+                steps[self.args.window - 1 :],
+                np.convolve(returns, kernel, "valid"),
+                label=f"mean of last {self.args.window}",
+            )
+        for i, step in enumerate(self.kill_steps):
+            ax.axvline(
+                step, color="red", alpha=0.25, lw=0.8, label="worker SIGKILLed" if i == 0 else None
+            )
+        ax.axhline(self.args.target_return, color="gray", ls="--", lw=0.8, label="target")
+        ax.set_xlabel("env steps")
+        ax.set_ylabel("return")
+        ax.set_title(f"A2C on {self.args.env_id}, {self.args.num_envs} subprocess envs")
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        fig.savefig(self.out_dir / "curve.png", dpi=110)
+        plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+class Chaos:
+    """SIGKILLs a random worker every ``every`` env steps, through the public pid accessor."""
+
+    def __init__(self, every: int, envs: list[Any], seed: int, recorder: Recorder) -> None:
+        self.every, self.envs, self.recorder = every, envs, recorder
+        self.rng = np.random.default_rng(seed)
+        self.next_kill = every
+        self.lock = threading.Lock()
+
+    def maybe_kill(self) -> None:
+        if not self.every:
+            return
+        with self.lock:
+            if self.recorder.env_steps < self.next_kill:
+                return
+            self.next_kill += self.every
+            victim = self.envs[int(self.rng.integers(len(self.envs)))]
+            os.kill(victim.pid, signal.SIGKILL)
+            self.recorder.kill_steps.append(self.recorder.env_steps)
+
+
+@dataclasses.dataclass
+class Rollout:
+    obs: np.ndarray  # (n_steps, num_envs, obs_dim)
+    actions: np.ndarray  # (n_steps, num_envs)
+    rewards: np.ndarray
+    terminations: np.ndarray
+    truncations: np.ndarray
+    final_values: np.ndarray  # value of the final observation, where an episode was truncated
+    bootstrap: np.ndarray  # (num_envs,) value of the observation after the last step
+
+
+def collect_rollout(
+    envs: MultiEnv,
+    actor: MLP,
+    critic: MLP,
+    obs: np.ndarray,
+    episode_returns: np.ndarray,
+    n_steps: int,
+    rng: np.random.Generator,
+    recorder: Recorder,
+    chaos: Chaos,
+) -> tuple[Rollout, np.ndarray]:
+    """Step ``envs`` n_steps times with the current policy; return the rollout and next obs."""
+    num_envs = envs.num_envs
+    obs_dim = int(np.prod(envs.single_observation_space.shape))
+    num_actions = int(envs.single_action_space.n)
+    shape = (n_steps, num_envs)
+    rollout = Rollout(
+        np.zeros((*shape, obs_dim)),
+        np.zeros(shape, dtype=np.int64),
+        np.zeros(shape),
+        np.zeros(shape, bool),
+        np.zeros(shape, bool),
+        np.zeros(shape),
+        np.zeros(num_envs),
+    )
+    for t in range(n_steps):
+        chaos.maybe_kill()
+        flat_obs = obs.reshape(num_envs, -1)
+        probs = softmax(actor.forward(flat_obs)[0])
+        actions = (rng.random((num_envs, 1)) > probs.cumsum(axis=1)).sum(axis=1)
+        actions = np.minimum(actions, num_actions - 1)
+        rollout.obs[t], rollout.actions[t] = flat_obs, actions
+        obs, rewards, terminations, truncations, infos = envs.step(actions)
+        rollout.rewards[t], rollout.terminations[t], rollout.truncations[t] = (
+            rewards,
+            terminations,
+            truncations,
+        )
+        recorder.add_steps(num_envs)
+        episode_returns += rewards
+        crashed = infos["_multienv"] if "multienv" in infos else np.zeros(num_envs, bool)
+        for i in np.flatnonzero(truncations & ~terminations):
+            final_obs = np.asarray(infos["final_obs"][i], dtype=np.float64).reshape(1, -1)
+            rollout.final_values[t, i] = critic.forward(final_obs)[0][0, 0]
+        for i in np.flatnonzero(terminations | truncations):
+            recorder.episode(float(episode_returns[i]), bool(crashed[i]))
+            episode_returns[i] = 0.0
+    rollout.bootstrap = critic.forward(obs.reshape(num_envs, -1))[0][:, 0]
+    return rollout, obs
+
+
+def rollout_gradients(
+    actor: MLP, critic: MLP, rollout: Rollout, args: Args
+) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, float]]:
+    """n-step returns of a rollout, then the A2C gradients on it."""
+    returns = nstep_returns(
+        rollout.rewards,
+        rollout.terminations,
+        rollout.truncations,
+        rollout.final_values,
+        rollout.bootstrap,
+        args.gamma,
+    )
+    obs_dim = rollout.obs.shape[-1]
+    return a2c_gradients(
+        actor,
+        critic,
+        rollout.obs.reshape(-1, obs_dim),
+        rollout.actions.reshape(-1),
+        returns.reshape(-1),
+        args.ent_coef,
+    )
+
+
+def restart_policy(args: Args) -> RestartPolicy:
+    # Chaos mode kills workers faster than any real crash would (at 4,000 steps/s, every 200
+    # steps is 20 kills a second), so it lifts the budget that guards against crash loops.
+    max_restarts = 100_000 if args.chaos_kill_every else args.max_restarts
+    return RestartPolicy(max_restarts=max_restarts, window_s=60.0)
+
+
+def total_restarts(envs: MultiEnv) -> int:
+    return sum(row["restarts"] for row in envs.stats())
+
+
+def make_out_dir(args: Args, name: str) -> pathlib.Path:
+    stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{name}-seed{args.seed}"
+    return pathlib.Path(args.out_dir or f"runs/{stamp}")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(args: Args) -> int:
+    logging.basicConfig(level=logging.WARNING, format="\n%(levelname)s %(name)s: %(message)s")
+    recorder = Recorder(args, make_out_dir(args, "a2c"))
+
+    # Setup
+    envs = MultiEnv(
+        [make_env(args.env_id)] * args.num_envs,
+        autoreset_mode="SameStep",
+        restart_policy=restart_policy(args),
+    )
+    obs_dim = int(np.prod(envs.single_observation_space.shape))
+    num_actions = int(envs.single_action_space.n)
+
+    # Seeding
+    rng = np.random.default_rng(args.seed)
+    actor = MLP([obs_dim, args.hidden, args.hidden, num_actions], rng, out_scale=0.01)
+    critic = MLP([obs_dim, args.hidden, args.hidden, 1], rng, out_scale=1.0)
+    actor_opt = Adam(actor.params, args.learning_rate, args.max_grad_norm)
+    critic_opt = Adam(critic.params, args.learning_rate, args.max_grad_norm)
+    chaos = Chaos(args.chaos_kill_every, envs.envs, args.seed + 1, recorder)
+    obs, _ = envs.reset(seed=args.seed)
+    episode_returns = np.zeros(args.num_envs)
+
+    losses: dict[str, float] = {}
+    try:
+        while not recorder.is_done:
+            # Rollout
+            rollout, obs = collect_rollout(
+                envs, actor, critic, obs, episode_returns, args.n_steps, rng, recorder, chaos
+            )
+            # Update
+            actor_grads, critic_grads, losses = rollout_gradients(actor, critic, rollout, args)
+            actor_opt.step(actor_grads)
+            critic_opt.step(critic_grads)
+            # Logging
+            recorder.progress(total_restarts(envs))
+        restarts = total_restarts(envs)
+    finally:
+        envs.close()
+    return recorder.summary(restarts, losses)
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for field in dataclasses.fields(Args):
+        parser.add_argument(
+            f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default
+        )
+    return Args(**vars(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))
