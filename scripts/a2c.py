@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -56,6 +56,9 @@ class Args:
     max_restarts: int = 50  # restart budget per env per minute (chaos mode needs far more)
     out_dir: str = ""  # where to write returns.csv and curve.png; default runs/<timestamp>
     progress_every_s: float = 1.0  # seconds between progress lines on stderr
+
+
+ArgsT = TypeVar("ArgsT", bound=Args)
 
 
 def make_env(env_id: str) -> Callable[[], gym.Env]:
@@ -490,13 +493,16 @@ def main(args: Args) -> int:
     return recorder.summary(restarts, losses)
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for field in dataclasses.fields(Args):
+def parse_args(
+    argv: list[str] | None = None, args_type: type[ArgsT] = Args, doc: str = __doc__
+) -> ArgsT:
+    """One ``--flag`` per field of the Args dataclass, typed by its default."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for field in dataclasses.fields(args_type):
         parser.add_argument(
             f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default
         )
-    return Args(**vars(parser.parse_args(argv)))
+    return args_type(**vars(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ trade-off). The model, returns, outputs and chaos come from a2c.py.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import pathlib
@@ -37,6 +36,7 @@ from a2c import (
     collect_rollout,
     make_env,
     make_out_dir,
+    parse_args,
     restart_policy,
     rollout_gradients,
     total_restarts,
@@ -156,14 +156,5 @@ def main(args: A3CArgs) -> int:
     return recorder.summary(restarts, losses)
 
 
-def parse_args(argv: list[str] | None = None) -> A3CArgs:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for field in dataclasses.fields(A3CArgs):
-        parser.add_argument(
-            f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default
-        )
-    return A3CArgs(**vars(parser.parse_args(argv)))
-
-
 if __name__ == "__main__":
-    sys.exit(main(parse_args()))
+    sys.exit(main(parse_args(args_type=A3CArgs, doc=__doc__)))
