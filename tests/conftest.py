@@ -66,10 +66,3 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter is not None:
             reporter.write_line(message, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-@pytest.fixture
-def fast_policy():
-    from multienv import RestartPolicy
-
-    return RestartPolicy(max_restarts=3, window_s=60.0, backoff=0.01)

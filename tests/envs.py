@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pathlib
 import sys
 import threading
 import time
@@ -161,10 +160,6 @@ class BoxActionEnv(gym.Env):
 
     def step(self, action):
         return np.zeros(3, dtype=np.float32), float(np.sum(action)), False, False, {}
-
-
-def marker_path(tmp_path: pathlib.Path, name: str = "crashed") -> str:
-    return str(tmp_path / name)
 
 
 class ExitOnStep(CountingEnv):
