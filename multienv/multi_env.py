@@ -168,9 +168,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         def send(i: int) -> None:
             self._wrappers[i].send_reset(seed=seeds[i], options=options)
 
-        results = self._gather(
-            self._fan_out(indices, send, lambda i: self._wrappers[i].recv_reset())
-        )
+        parts = self._slices if len(indices) == self.num_envs else self._slices_of(indices)
+        results = self._gather(self._fan_out(parts, send, lambda i: self._wrappers[i].recv_reset()))
         infos: dict[str, Any] = {}
         for i in indices:
             self._env_obs[i], info = results[i]
@@ -181,7 +180,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         """Step every env with its action; see the module docstring of ``autoreset``."""
         per_env = self._prepare_step(actions)
         send, recv = self._step_calls(per_env)
-        return self._finish_step(self._gather(self._fan_out(range(self.num_envs), send, recv)))
+        return self._finish_step(self._gather(self._fan_out(self._slices, send, recv)))
 
     def step_async(self, actions: Any) -> None:
         """Send a step to every env and return at once; ``step_wait()`` collects it."""
@@ -391,18 +390,19 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         )
         return deepcopy(self._observations) if self.copy else self._observations
 
+    def _slices_of(self, indices: Sequence[int]) -> list[list[int]]:
+        """The fan-out slices restricted to ``indices`` (a reset mask), empty ones dropped."""
+        wanted = set(indices)
+        parts = [[i for i in part if i in wanted] for part in self._slices]
+        return [part for part in parts if part]
+
     def _fan_out(
         self,
-        indices: Iterable[int],
+        parts: list[list[int]],
         send: Callable[[int], None],
         recv: Callable[[int], Any],
     ) -> list[Future[_SliceOutcome] | _SliceOutcome]:
-        """Run ``send`` then ``recv`` for each index; slices after the first on the executor."""
-        wanted = set(indices)
-        parts = [[i for i in part if i in wanted] for part in self._slices]
-        parts = [part for part in parts if part]
-        if not parts:
-            return []
+        """Run ``send`` then ``recv`` for each env of ``parts``; the first part runs inline."""
         futures: list[Future[_SliceOutcome] | _SliceOutcome] = [
             self._executor.submit(_run_slice, part, send, recv) for part in parts[1:]
         ]
@@ -433,7 +433,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
     def _map(self, call: Callable[[int], Any]) -> tuple[Any, ...]:
         self._check_idle("call")
-        results = self._gather(self._fan_out(range(self.num_envs), lambda i: None, call))
+        results = self._gather(self._fan_out(self._slices, lambda i: None, call))
         return tuple(results[i] for i in range(self.num_envs))
 
 
