@@ -269,3 +269,11 @@ class Chaotic(CountingEnv):
 
     def __init__(self) -> None:
         super().__init__(episode_length=37)
+
+
+class SlowMethod(CountingEnv):
+    """Has a method that takes a while, so a test can kill the worker in the middle of call()."""
+
+    def slow_value(self, delay_s: float = 0.5) -> int:
+        time.sleep(delay_s)
+        return 42

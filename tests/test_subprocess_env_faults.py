@@ -34,6 +34,7 @@ from tests.envs import (
     HangOnStep,
     RaiseOnStep,
     SegfaultEveryStep,
+    SlowMethod,
     UnpicklableInfo,
     WrongObsDtype,
     WrongObsShape,
@@ -143,6 +144,35 @@ def test_step_wait_timeout_raises_and_env_stays_usable():
         obs, *_ = envs.step_wait(timeout=10)
         assert obs[:, 0].tolist() == [1.0, 1.0]
         assert envs.step(np.array([1, 1]))[0][:, 0].tolist() == [2.0, 2.0]
+
+
+def test_worker_killed_during_call_is_respawned_and_the_call_replayed():
+    proxy = ready(SlowMethod)
+    try:
+        victim = proxy.pid
+        timer = threading.Timer(0.2, os.kill, (victim, signal.SIGKILL))
+        timer.start()
+        assert proxy.call("slow_value", 0.5) == 42
+        timer.join()
+        assert proxy.pid != victim
+        assert (proxy.restarts, proxy.last_failure) == (1, "SIGKILL")
+        assert proxy.get_attr("episode_length") == 5
+    finally:
+        proxy.close()
+
+
+def test_reply_left_in_flight_is_discarded_before_the_next_call():
+    # What a KeyboardInterrupt between send and receive leaves behind: the next call must
+    # not read the stale reply as its own.
+    proxy = ready(CountingEnv)
+    try:
+        proxy.reset()
+        proxy.send_step(1)
+        obs, *_ = proxy.step(1)
+        assert obs.tolist() == [2.0]
+        assert proxy.get_attr("count") == 2
+    finally:
+        proxy.close()
 
 
 # ---------------------------------------------------------------- construction
