@@ -10,7 +10,7 @@ at most one thread hop per slice (the first slice runs in the caller's thread).
 from __future__ import annotations
 
 import logging
-import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -25,6 +25,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from multienv.autoreset import AutoResetEnv, EnvProxy, StepResult
 from multienv.errors import EnvStateError
+from multienv.shared_memory import BatchLayout, SharedBatch
 from multienv.subprocess_env import EnvState, create_subprocess_envs
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,12 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         copy: Return a copy of the batched observations (as Gymnasium does) rather than the
             internal buffer that the next call overwrites.
         num_threads: How many slices the envs are split into for fan-out; the first slice
-            runs in the caller's thread. Defaults to ``min(num_envs, os.cpu_count())``.
+            runs in the caller's thread. Defaults to 1: with observations in shared memory
+            the parent only writes and reads a few bytes per env, which one thread does
+            faster than several (``python scripts/bench.py`` measures it).
+        max_concurrency: At most this many envs step at once in ``step()``/``step_async()``;
+            the next env starts as soon as one finishes. None (default) steps all at once.
+            Use it when N envs would oversubscribe the cores.
         **options: ``SubprocessEnv`` options, used only when ``envs`` are factories.
     """
 
@@ -69,11 +75,15 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
         copy: bool = True,
         num_threads: int | None = None,
+        max_concurrency: int | None = None,
         **options: Any,
     ) -> None:
         """Build or adopt the envs, check that their spaces match, and batch the spaces."""
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.copy = copy
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency!r}.")
+        self.max_concurrency = max_concurrency
         items = list(envs)
         if not items:
             raise ValueError("MultiEnv needs at least one env or env factory, got none.")
@@ -131,7 +141,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self._observations = create_empty_array(
             self.single_observation_space, n=self.num_envs, fn=np.zeros
         )
-        threads = num_threads or min(self.num_envs, os.cpu_count() or 1)
+        threads = num_threads or 1
         if threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads!r}")
         self._slices = [
@@ -139,10 +149,21 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             for part in np.array_split(np.arange(self.num_envs), min(threads, self.num_envs))
         ]
         # One thread per slice: step() runs the first slice inline, step_async() none.
+        self._all_ids = list(range(self.num_envs))
         self._executor = ThreadPoolExecutor(
             max_workers=len(self._slices), thread_name_prefix="multienv"
         )
         self._pending: list[Future[_SliceOutcome]] | None = None
+        self._in_flight: set[int] = set()  # envs sent a step by send(), not yet received
+        self._wait_ready = getattr(type(first), "wait_ready", None)
+        self._shared: SharedBatch | None = None
+        if BatchLayout.supports(self.single_observation_space) and all(
+            hasattr(proxy, "attach") for proxy in proxies
+        ):
+            self._shared = SharedBatch(
+                self.single_observation_space, self.single_action_space, self.num_envs
+            )
+            self._map(lambda i: proxies[i].attach(self._shared))
 
     # ----------------------------------------------------------------- vector API
 
@@ -172,23 +193,101 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         results = self._gather(self._fan_out(parts, send, lambda i: self._wrappers[i].recv_reset()))
         infos: dict[str, Any] = {}
         for i in indices:
-            self._env_obs[i], info = results[i]
+            obs, info = results[i]
+            if obs is not None:
+                self._env_obs[i] = obs
             infos = self._add_info(infos, info, i)
         return self._batched_obs(), infos
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Step every env with its action; see the module docstring of ``autoreset``."""
         per_env = self._prepare_step(actions)
+        if self._is_limited():
+            return self._finish_step(self._step_limited(per_env))
         send, recv = self._step_calls(per_env)
         return self._finish_step(self._gather(self._fan_out(self._slices, send, recv)))
 
     def step_async(self, actions: Any) -> None:
         """Send a step to every env and return at once; ``step_wait()`` collects it."""
         per_env = self._prepare_step(actions)
+        if self._is_limited():
+            self._pending = [self._executor.submit(self._step_limited_outcome, per_env)]
+            return
         send, recv = self._step_calls(per_env)
         self._pending = [
             self._executor.submit(_run_slice, part, send, recv) for part in self._slices
         ]
+
+    def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
+        """Send a step to some envs and return at once; ``recv()`` collects the first to finish.
+
+        EnvPool-style asynchronous stepping: keep some envs stepping while you learn from
+        the others, so a slow env does not hold back the batch.
+
+        Example:
+            >>> import gymnasium as gym, numpy as np
+            >>> from multienv import MultiEnv
+            >>> with MultiEnv([lambda: gym.make("CartPole-v1")] * 4) as envs:
+            ...     _ = envs.reset(seed=0)
+            ...     envs.send(np.zeros(4, dtype=np.int64))
+            ...     obs, rewards, terminations, truncations, infos = envs.recv(batch_size=2)
+            ...     envs.send(np.ones(2, dtype=np.int64), infos["env_id"])
+            ...     _ = envs.recv()  # the other two, then these two (all that are in flight)
+            ...     obs.shape, len(infos["env_id"])
+            ((2, 4), 2)
+
+        Args:
+            actions: One action per env of ``env_ids``, in that order.
+            env_ids: The envs to step (distinct, none already in flight); default all.
+        """
+        if self.closed:
+            raise ClosedEnvironmentError("MultiEnv.send() called after close().")
+        if self._pending is not None:
+            raise EnvStateError("MultiEnv.send() called while a step_async() is pending.")
+        ids = self._env_ids(env_ids)
+        per_env = self._split_actions(actions, ids)
+        for i in ids:
+            self._wrappers[i].check_can_step()
+        for position, i in enumerate(ids):
+            self._wrappers[i].send_step(per_env[position])
+            self._in_flight.add(i)
+
+    def recv(
+        self, batch_size: int | None = None, timeout: float | None = None
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Collect the steps of the first ``batch_size`` envs to finish among those in flight.
+
+        Args:
+            batch_size: How many envs to return; default all that are in flight.
+            timeout: Seconds to wait; on expiry ``TimeoutError`` is raised and every step
+                stays in flight, so nothing is lost.
+
+        Returns:
+            ``(obs, rewards, terminations, truncations, infos)`` for ``batch_size`` envs in
+            ascending env order; ``infos["env_id"]`` holds their indices.
+        """
+        if self.closed:
+            raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
+        flying = sorted(self._in_flight)
+        if not flying:
+            raise EnvStateError("MultiEnv.recv() called with no env in flight; call send() first.")
+        size = len(flying) if batch_size is None else batch_size
+        if not 1 <= size <= len(flying):
+            raise ValueError(
+                f"recv(batch_size={batch_size!r}) with {len(flying)} envs in flight; pass a "
+                f"batch_size from 1 to {len(flying)}, or None for all."
+            )
+        ids = self._wait_for(flying, size, timeout)
+        results: dict[int, StepResult] = {}
+        errors: dict[int, BaseException] = {}
+        for i in ids:
+            self._in_flight.discard(i)
+            try:
+                results[i] = self._wrappers[i].recv_step()
+            except Exception as exc:  # noqa: BLE001 - raised below, lowest env index first
+                errors[i] = exc
+        self._collect([(results, errors)])
+        return self._finish_partial(ids, results)
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Wait for the step sent by ``step_async()``.
@@ -258,6 +357,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             max_workers=self.num_envs, thread_name_prefix="multienv-close"
         ) as pool:
             list(pool.map(lambda proxy: proxy.close(timeout=timeout), self.envs))
+        if self._shared is not None:
+            self._shared.close()
         if self._pending is not None:
             wait_futures(self._pending, timeout=5.0)  # the workers are gone, so they end now
             self._pending = None
@@ -285,6 +386,88 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise EnvStateError(
                 f"MultiEnv.{name}() called while a step_async() is pending; call step_wait() first."
             )
+        if self._in_flight:
+            raise EnvStateError(
+                f"MultiEnv.{name}() called while envs {sorted(self._in_flight)} are in flight "
+                "after send(); call recv() until none is left."
+            )
+
+    def _env_ids(self, env_ids: Sequence[int] | np.ndarray | None) -> list[int]:
+        if env_ids is None:
+            ids = list(range(self.num_envs))
+        else:
+            ids = [int(i) for i in np.asarray(env_ids).reshape(-1)]
+        if not ids:
+            raise ValueError("send() got no env_ids; pass at least one.")
+        seen: set[int] = set()
+        for i in ids:
+            if not 0 <= i < self.num_envs:
+                raise ValueError(f"env {i}: no such env; env_ids must be in [0, {self.num_envs}).")
+            if i in seen:
+                raise ValueError(f"env {i}: appears twice in env_ids; pass each env once.")
+            if i in self._in_flight:
+                raise EnvStateError(
+                    f"env {i}: already in flight; recv() it before sending it again.",
+                    env_index=i,
+                )
+            seen.add(i)
+        return ids
+
+    def _wait_for(self, flying: list[int], size: int, timeout: float | None) -> list[int]:
+        """Wait until ``size`` of the envs in flight can be collected; return their indices."""
+        if self._wait_ready is None:  # a backend without a multi-wait: collect in env order
+            return flying[:size]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ready: list[int] = []
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            waiting = [i for i in flying if i not in ready]
+            ready += [waiting[p] for p in self._wait_ready([self.envs[i] for i in waiting], left)]
+            if len(ready) >= size:
+                return sorted(ready[:size])
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"recv() timed out after {timeout} s with {len(ready)} of the {size} envs "
+                    "ready; every step is still in flight, call recv() again."
+                )
+
+    def _is_limited(self) -> bool:
+        return self.max_concurrency is not None and self.max_concurrency < self.num_envs
+
+    def _step_limited(self, per_env: list[Any]) -> dict[int, StepResult]:
+        """Step every env with at most ``max_concurrency`` in flight; start one as one ends."""
+        assert self.max_concurrency is not None
+        queue = list(range(self.num_envs))
+        running: list[int] = []
+        results: dict[int, StepResult] = {}
+        errors: dict[int, BaseException] = {}
+        while queue or running:
+            while queue and len(running) < self.max_concurrency:
+                i = queue.pop(0)
+                try:
+                    self._wrappers[i].send_step(per_env[i])
+                    running.append(i)
+                except Exception as exc:  # noqa: BLE001 - raised by _collect, lowest index first
+                    errors[i] = exc
+            if not running:
+                break
+            if self._wait_ready is None:
+                done = running[:1]
+            else:
+                done = [running[p] for p in self._wait_ready([self.envs[i] for i in running])]
+            for i in done:
+                running.remove(i)
+                try:
+                    results[i] = self._wrappers[i].recv_step()
+                except Exception as exc:  # noqa: BLE001 - raised by _collect, lowest index first
+                    errors[i] = exc
+        return self._collect([(results, errors)])
+
+    def _step_limited_outcome(self, per_env: list[Any]) -> _SliceOutcome:
+        try:
+            return self._step_limited(per_env), {}
+        except Exception as exc:  # noqa: BLE001 - step_wait() raises it
+            return {}, {getattr(exc, "env_index", None) or 0: exc}
 
     def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
         if seed is None:
@@ -318,15 +501,17 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
     def _prepare_step(self, actions: Any) -> list[Any]:
         """Check the actions and the envs, then split the batch; nothing is sent yet."""
         self._check_idle("step")
-        per_env = self._split_actions(actions)
+        per_env = self._split_actions(actions, self._all_ids)
         for wrapper in self._wrappers:
             wrapper.check_can_step()
         return per_env
 
-    def _split_actions(self, actions: Any) -> list[Any]:
-        n, space = self.num_envs, self.single_action_space
+    def _split_actions(self, actions: Any, env_ids: list[int]) -> list[Any]:
+        """One action per env of ``env_ids``, checked; errors name the env."""
+        n, space = len(env_ids), self.single_action_space
         if not isinstance(space, _ARRAY_ACTION_SPACES):
-            per_env = list(iterate(self.action_space, actions))
+            batch_space_n = self.action_space if n == self.num_envs else batch_space(space, n)
+            per_env = list(iterate(batch_space_n, actions))
             if len(per_env) != n:
                 raise ValueError(f"expected {n} actions (one per env), got {len(per_env)}.")
             return per_env
@@ -340,8 +525,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise ValueError(
                 f"expected {n} actions (one per env, batch shape {(n, *space.shape)}), got {count}."
             )
-        for env_index in range(n):
-            shape = np.shape(actions[env_index])
+        for position, env_index in enumerate(env_ids):
+            shape = np.shape(actions[position])
             if shape != space.shape:
                 raise ValueError(
                     f"env {env_index}: action has shape {shape}; expected {space.shape} "
@@ -379,12 +564,41 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         infos: dict[str, Any] = {}
         for i in range(n):
             obs, rewards[i], terminations[i], truncations[i], info = results[i]
-            self._env_obs[i] = obs
+            if obs is not None:
+                self._env_obs[i] = obs
             if info:
                 infos = self._add_info(infos, info, i)
         return self._batched_obs(), rewards, terminations, truncations, infos
 
+    def _finish_partial(
+        self, ids: list[int], results: dict[int, StepResult]
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        size = len(ids)
+        rewards = np.zeros(size, dtype=np.float64)
+        terminations = np.zeros(size, dtype=np.bool_)
+        truncations = np.zeros(size, dtype=np.bool_)
+        batch = _PartialInfos(size)
+        infos: dict[str, Any] = {}
+        for position, i in enumerate(ids):
+            obs, rewards[position], terminations[position], truncations[position], info = results[i]
+            if obs is not None:
+                self._env_obs[i] = obs
+            if info:
+                infos = batch._add_info(infos, info, position)
+        infos["env_id"] = np.asarray(ids, dtype=np.int64)
+        if self._shared is not None:
+            observations = self._shared.observations(ids)  # a gather, so already a copy
+        else:
+            observations = create_empty_array(self.single_observation_space, n=size, fn=np.zeros)
+            observations = concatenate(
+                self.single_observation_space, [self._env_obs[i] for i in ids], observations
+            )
+        return observations, rewards, terminations, truncations, infos
+
     def _batched_obs(self) -> Any:
+        if self._shared is not None:
+            observations = self._shared.observations()
+            return deepcopy(observations) if self.copy else observations
         self._observations = concatenate(
             self.single_observation_space, self._env_obs, self._observations
         )
@@ -435,6 +649,15 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self._check_idle("call")
         results = self._gather(self._fan_out(self._slices, lambda i: None, call))
         return tuple(results[i] for i in range(self.num_envs))
+
+
+class _PartialInfos:
+    """Merges the infos of a partial batch the Gymnasium way, with arrays of its own size."""
+
+    _add_info = VectorEnv._add_info
+
+    def __init__(self, num_envs: int) -> None:
+        self.num_envs = num_envs
 
 
 def _run_slice(

@@ -1,11 +1,15 @@
 """The wire between parent and worker: commands, replies and remote errors; stdlib only.
 
 Every request is a tuple ``(int(Command), payload)``; every reply is a tuple
-``(int(Status), payload)``. Both are framed with ``Connection.send_bytes`` and plain
-``pickle`` (``encode``/``decode``): multiprocessing's own ``send`` builds a ForkingPickler
-per message and enum members pickle by class lookup, which together cost more than a
-CartPole step. A worker sends one unsolicited reply when it starts: ``(OK,
-EnvDescription)`` once the env is built, or ``(ERROR, RemoteFailure)`` if ``env_fn`` raised.
+``(int(Status), payload)``, except on the shared-memory fast path below, where a step is a
+three-byte request and a one-byte reply. Each message is framed with a 4-byte length
+(``write_message`` / ``MessageReader``, straight on the socket's fd, so a small message costs
+one system call each way) and pickled with plain ``pickle`` (``encode``/``decode``):
+multiprocessing's own ``send`` builds a ForkingPickler per message and its ``recv_bytes``
+reads twice, which together cost more than a CartPole step.
+
+A worker sends one unsolicited reply when it starts: ``(OK, EnvDescription)`` once the env
+is built, or ``(ERROR, RemoteFailure)`` if ``env_fn`` raised.
 """
 
 from __future__ import annotations
@@ -13,20 +17,31 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import os
 import pickle
+import struct
 from typing import Any
 
 
 class Command(enum.IntEnum):
     """What the parent asks a worker to do."""
 
-    RESET = 1  # payload: (seed, options)
-    STEP = 2  # payload: (action, autoreset); with autoreset the worker resets a finished episode
+    RESET = 1  # payload: (seed, options, slot)
+    STEP = 2  # payload: (action, autoreset, slot); autoreset: reset a finished episode at once
     RENDER = 3  # payload: None
     CALL = 4  # payload: (name, args, kwargs)
     GET_ATTR = 5  # payload: name
     SET_ATTR = 6  # payload: (name, value)
     CLOSE = 7  # payload: None; the worker closes the env, replies and exits
+    ATTACH = 8  # payload: BatchLayout; the memory file's fd follows (send_handle)
+
+
+# Shared-memory fast path. A request or reply whose first byte is below 0x80 is one of these
+# raw messages, not a pickle (every pickle of protocol 2 or later starts with 0x80). With
+# ``slot`` set, observations, rewards and flags travel in shared memory, not in the reply.
+FAST_STEP = 0x01  # bytes([FAST_STEP, slot, autoreset]); the action is in shared memory
+FAST_RESET = 0x02  # bytes([FAST_RESET, slot]); a reset with no seed and no options
+FAST_OK = b"\x00"  # the reply to a fast request whose info is empty
 
 
 class Status(enum.IntEnum):
@@ -75,6 +90,58 @@ class RemoteTraceback(Exception):
     def __str__(self) -> str:
         """Show the traceback as the worker printed it."""
         return "\n\nworker traceback:\n" + self.traceback_text
+
+
+_HEADER = struct.Struct("!I")
+
+
+def frame(payload: bytes) -> bytes:
+    """The bytes that carry ``payload`` on the wire: its length, then itself."""
+    return _HEADER.pack(len(payload)) + payload
+
+
+FAST_OK_FRAME = frame(FAST_OK)
+
+
+def write_message(fd: int, payload: bytes) -> None:
+    """Write one framed message, however many writes it takes."""
+    data = memoryview(frame(payload))
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+class MessageReader:
+    """Reads framed messages from a socket fd; raises EOFError when the other end is gone.
+
+    Args:
+        fd: The socket to read; its owner closes it.
+    """
+
+    def __init__(self, fd: int) -> None:
+        """Start with nothing buffered."""
+        self._fd = fd
+        self._buffer = b""
+
+    def read(self) -> bytes:
+        """Block until one whole message is in, and return its payload."""
+        buffer = self._buffer
+        while len(buffer) < _HEADER.size:
+            buffer += self._read_some(65536)
+        end = _HEADER.size + _HEADER.unpack_from(buffer)[0]
+        if len(buffer) < end:
+            parts, have = [buffer], len(buffer)
+            while have < end:
+                parts.append(self._read_some(end - have))
+                have += len(parts[-1])
+            buffer = b"".join(parts)
+        self._buffer = buffer[end:]
+        return buffer[_HEADER.size : end]
+
+    def _read_some(self, size: int) -> bytes:
+        chunk = os.read(self._fd, size)
+        if not chunk:
+            raise EOFError("the other end of the pipe closed")
+        return chunk
 
 
 encode = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)

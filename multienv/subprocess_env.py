@@ -38,6 +38,7 @@ from concurrent.futures import wait as wait_futures
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import send_handle
 from typing import Any
 
 import cloudpickle
@@ -53,16 +54,22 @@ from multienv.errors import (
     EnvStateError,
 )
 from multienv.protocol import (
+    FAST_OK,
+    FAST_RESET,
+    FAST_STEP,
     Command,
     EnvDescription,
+    MessageReader,
     RemoteFailure,
     RemoteTraceback,
     Status,
     decode,
     encode,
     worker_main,
+    write_message,
 )
 from multienv.restart import RestartPolicy
+from multienv.shared_memory import SharedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +79,8 @@ _PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
 # user's script on start.
 _FORKSERVER_PRELOAD = ["__main__", "numpy", "gymnasium", "cloudpickle", "multienv.worker"]
 _STDERR_TAIL_LINES = 30
+_FAST_OK_REPLY = (Status.OK, None)
+_OBS_COMMANDS = (Command.STEP, Command.RESET)
 
 
 class EnvState(enum.Enum):
@@ -186,6 +195,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._process: BaseProcess | None = None  # None once reaped
         self._pid: int | None = None
         self._conn: Connection | None = None
+        self._fd = -1  # self._conn's fd, written to directly
+        self._reader: MessageReader | None = None
         self._poller: Any = None  # select.poll over the pipe and the process sentinel
         self._stderr_pump: threading.Thread | None = None
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
@@ -193,6 +204,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._pending: tuple[Command, Any, float | None] | None = None
         self._sent_at = 0.0
         self._last_obs: Any = None
+        self._shared: SharedBatch | None = None  # set by attach(); then obs travel through it
+        self._write_slot: int | None = None  # the shared slot the in-flight call writes into
         self._restart_times: list[float] = []
         self._consecutive_restarts = 0  # respawns since the last successful call
         self._broken_error: EnvCrashedError | None = None
@@ -259,12 +272,17 @@ class SubprocessEnv(gym.Env[Any, Any]):
     ) -> tuple[Any, dict[str, Any]]:
         """Reset the remote env; replayed on a fresh worker if the worker dies."""
         self.send_reset(seed=seed, options=options)
-        return self.recv_reset()
+        obs, info = self.recv_reset()
+        if obs is None:
+            obs = self._read_shared_obs()
+        return obs, info
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         """Step the remote env; a worker death comes back as a flagged truncation."""
         self.send_step(action)
         obs, reward, terminated, truncated, info, _ = self.recv_step()
+        if obs is None:
+            obs = self._read_shared_obs()
         return obs, reward, terminated, truncated, info
 
     def render(self) -> Any:
@@ -283,6 +301,19 @@ class SubprocessEnv(gym.Env[Any, Any]):
         """Set the remote env's attribute ``name`` (on the wrapper that has it)."""
         self._request(Command.SET_ATTR, (name, value))
 
+    def attach(self, shared: SharedBatch) -> None:
+        """Move observations, actions and results to ``shared`` (slot ``env_index``).
+
+        From now on, ``recv_step`` and ``recv_reset`` return None for an observation that
+        is in shared memory (``reset`` and ``step`` still return it). A respawned worker
+        is attached again before it serves a call.
+        """
+        self._require(EnvState.READY, "attach")
+        self._shared = shared
+        cause = self._attach_worker()
+        if cause is not None:
+            self._respawn(cause)
+
     # ------------------------------------------- split-phase calls, for vectors and backends
 
     def send_reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
@@ -290,7 +321,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._begin(Command.RESET, (seed, options), "reset", self._reset_timeout)
 
     def recv_reset(self) -> tuple[Any, dict[str, Any]]:
-        """Wait for the reset sent by ``send_reset()``."""
+        """Wait for the reset sent by ``send_reset()``; obs is None when it is in shared memory."""
         obs, info = self._finish()
         self._last_obs = obs
         return obs, info
@@ -310,6 +341,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
         Returns:
             ``(obs, reward, terminated, truncated, info, reset_result)``, where
             ``reset_result`` is the worker's ``(obs, info)`` after an autoreset, else None.
+            When attached, an observation in shared memory is None: ``obs`` (unless it is
+            the final obs of an autoreset episode) and the obs of ``reset_result``.
         """
         result: tuple[Any, Any, bool, bool, dict[str, Any], Any] = self._finish()
         obs, _, terminated, truncated, _, reset_result = result
@@ -318,7 +351,60 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._last_obs = obs if reset_result is None else reset_result[0]
         return result
 
+    @staticmethod
+    def wait_ready(envs: Sequence[SubprocessEnv], timeout: float | None = None) -> list[int]:
+        """Wait until at least one of ``envs`` can be collected without blocking.
+
+        Waits on every worker's pipe and process sentinel together, so a death is seen at
+        once. An env counts as ready when its reply is in, its worker died, its step or
+        reset deadline passed (collecting it then kills the worker), or it has nothing in
+        flight (collecting it then raises).
+
+        Args:
+            envs: Proxies, each normally with one call in flight.
+            timeout: Seconds to wait at most; None waits until one is ready.
+
+        Returns:
+            The positions in ``envs`` that are ready, ascending; empty if ``timeout`` passed.
+        """
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        poller = select.poll()
+        owner: dict[int, int] = {}
+        expired = []
+        for position, env in enumerate(envs):
+            handles = env._wait_handles()
+            if handles is None:
+                expired.append(position)
+                continue
+            fds, env_deadline = handles
+            if env_deadline is not None:
+                if env_deadline <= now:
+                    expired.append(position)
+                    continue
+                deadline = env_deadline if deadline is None else min(deadline, env_deadline)
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+                owner[fd] = position
+        if expired:
+            return expired
+        timeout_ms = None if deadline is None else max(0, math.ceil((deadline - now) * 1000))
+        ready = {owner[fd] for fd, _ in poller.poll(timeout_ms)}
+        if not ready:
+            now = time.monotonic()
+            for position, env in enumerate(envs):
+                handles = env._wait_handles()
+                if handles is not None and handles[1] is not None and handles[1] <= now:
+                    ready.add(position)
+        return sorted(ready)
+
     # ----------------------------------------------------------------- internals
+
+    def _wait_handles(self) -> tuple[list[int], float | None] | None:
+        """The fds that signal the in-flight call's end, and its deadline; None if none."""
+        if self._pending is None or self._process is None or self._conn is None:
+            return None
+        return [self._fd, self._process.sentinel], self._pending[2]
 
     def _set_state(self, new: EnvState) -> None:
         if new not in _TRANSITIONS[self._state]:
@@ -375,6 +461,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
             child_conn.close()
             stderr_write.close()
         self._process, self._conn, self._pid = process, parent_conn, process.pid
+        self._fd = parent_conn.fileno()
+        self._reader = MessageReader(self._fd)
         # Registered once per worker: a poll() per reply is one syscall, where
         # multiprocessing.connection.wait() builds a new selector on every call.
         self._poller = select.poll()
@@ -412,6 +500,34 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self.spec = description.spec
         return None
 
+    def _attach_worker(self) -> str | None:
+        """Send the shared memory to the worker; return a cause of death, or None when done."""
+        shared, conn = self._shared, self._conn
+        assert shared is not None
+        assert conn is not None
+        assert shared.fd is not None
+        deadline = None if self._init_timeout is None else time.monotonic() + self._init_timeout
+        # Two round trips: the worker acks the command, then we send the fd, then it acks that.
+        for send in (
+            lambda: write_message(self._fd, encode((int(Command.ATTACH), shared.layout))),
+            lambda: send_handle(conn, shared.fd, self._pid),
+        ):
+            try:
+                send()
+            except _PIPE_ERRORS:
+                pass  # the worker is dead; _receive() sees its sentinel
+            outcome = self._receive(deadline)
+            if isinstance(outcome, _Death):
+                return outcome.cause
+            status, payload = outcome
+            if status == Status.ERROR:
+                raise self._env_error(payload, "attach")
+        return None
+
+    def _read_shared_obs(self) -> Any:
+        assert self._shared is not None
+        return self._shared.read(self.env_index)
+
     def _receive(self, deadline: float | None) -> Any:
         """Wait for one reply or the worker's death, whichever comes first, up to ``deadline``."""
         conn, process = self._conn, self._process
@@ -427,10 +543,13 @@ class SubprocessEnv(gym.Env[Any, Any]):
         if self._is_closing.is_set():
             raise ClosedEnvironmentError(f"env {self.env_index}: closed while a call was waiting.")
         if any(fd == conn.fileno() for fd, _ in events):
+            assert self._reader is not None
             try:
-                return decode(conn.recv_bytes())
+                reply = self._reader.read()
             except _PIPE_ERRORS:
                 pass
+            else:
+                return _FAST_OK_REPLY if reply == FAST_OK else decode(reply)
         elif not events:
             logger.warning(
                 "env %d: worker pid %d timed out; killing it", self.env_index, process.pid
@@ -449,14 +568,35 @@ class SubprocessEnv(gym.Env[Any, Any]):
         if self._pending is not None:
             # A call interrupted in the parent (e.g. by KeyboardInterrupt) left a reply in flight.
             self._discard_pending()
+        # Encoded before anything is marked in flight: a payload that cannot be sent raises here.
+        if command in _OBS_COMMANDS:
+            message = self._obs_request(command, payload)
+        else:
+            message = encode((int(command), payload))
         deadline = None if timeout is None else time.monotonic() + timeout
         self._pending = (command, payload, deadline)
         self._sent_at = time.perf_counter()
-        assert self._conn is not None
         try:
-            self._conn.send_bytes(encode((int(command), payload)))
+            write_message(self._fd, message)
         except _PIPE_ERRORS:
             pass  # the worker is dead; _finish() sees its sentinel and respawns
+
+    def _obs_request(self, command: Command, payload: tuple[Any, Any]) -> bytes:
+        """Encode a step or reset; when attached, name the slot its observation goes into."""
+        shared = self._shared
+        if shared is None:
+            self._write_slot = None
+            return encode((int(command), (*payload, None)))
+        slot = 1 - int(shared.slot[self.env_index])  # never the slot the caller saw last
+        self._write_slot = slot
+        if command is Command.STEP:
+            action, autoreset = payload
+            if shared.actions is not None:
+                shared.actions[self.env_index] = action
+                return bytes((FAST_STEP, slot, autoreset))
+        elif payload == (None, None):
+            return bytes((FAST_RESET, slot))
+        return encode((int(command), (*payload, slot)))
 
     def _finish(self) -> Any:
         if self._pending is None:
@@ -479,14 +619,30 @@ class SubprocessEnv(gym.Env[Any, Any]):
         if command is Command.STEP:
             self.steps += 1
             self.step_latencies_s.append(time.perf_counter() - self._sent_at)
+        if self._write_slot is not None and command in _OBS_COMMANDS:
+            return self._shared_result(command, result)
         return result
+
+    def _shared_result(self, command: Command, result: Any) -> Any:
+        """Turn an attached worker's reply into the usual tuple, with None for shared obs."""
+        shared, env_index = self._shared, self.env_index
+        assert shared is not None
+        shared.slot[env_index] = self._write_slot
+        if command is Command.RESET:
+            return (None, {}) if result is None else result
+        reward, terminated, truncated = shared.read_result(env_index)
+        if result is None:
+            return None, reward, terminated, truncated, {}, None
+        final_obs, info, reset_info = result
+        reset_result = None if reset_info is None else (None, reset_info)
+        return final_obs, reward, terminated, truncated, info, reset_result
 
     def _recover(self, command: Command, payload: Any, cause: str) -> Any:
         """Respawn after a death, then answer the interrupted command as DESIGN.md says."""
         self._respawn(cause)
         if command is Command.STEP:
             info = {"multienv": {"restarted": True, "cause": cause, "restarts": self.restarts}}
-            obs = self._last_obs
+            obs = self._read_shared_obs() if self._shared is not None else self._last_obs
             if obs is None:
                 obs = create_empty_array(self.observation_space, n=None, fn=np.zeros)
             return obs, 0.0, False, True, info, None
@@ -511,6 +667,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
             self._bury(cause)
             self._spawn()
             next_cause = self._handshake()
+            if next_cause is None and self._shared is not None:
+                next_cause = self._attach_worker()
             if next_cause is None:
                 self._set_state(EnvState.READY)
                 return
@@ -608,7 +766,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
             return
         try:
             if process.exitcode is None:
-                conn.send_bytes(encode((int(Command.CLOSE), None)))
+                write_message(self._fd, encode((int(Command.CLOSE), None)))
         except (*_PIPE_ERRORS, OSError, ValueError):
             pass
         try:

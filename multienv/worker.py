@@ -21,13 +21,27 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
 from typing import Any
 
 import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from multienv.protocol import Command, EnvDescription, RemoteFailure, Status, decode, encode
+from multienv.protocol import (
+    FAST_OK_FRAME,
+    FAST_RESET,
+    FAST_STEP,
+    Command,
+    EnvDescription,
+    MessageReader,
+    RemoteFailure,
+    Status,
+    decode,
+    encode,
+    write_message,
+)
+from multienv.shared_memory import BatchLayout, SlotWriter
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +91,13 @@ def run_worker(
             spec=_picklable_or_none(env.spec),
         )
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises EnvError
-        conn.send_bytes(encode((Status.ERROR, _failure(exc))))
+        write_message(conn.fileno(), encode((Status.ERROR, _failure(exc))))
         return
-    conn.send_bytes(encode((Status.OK, description)))
+    write_message(conn.fileno(), encode((Status.OK, description)))
 
     is_closed_by_parent = False
     try:
-        _serve(conn, env, _make_obs_check(env.observation_space))
+        _serve(conn, env, _make_obs_check(env.observation_space), env_index)
         is_closed_by_parent = True
     except KeyboardInterrupt:
         pass
@@ -96,31 +110,51 @@ def run_worker(
             traceback.print_exc()
         if is_closed_by_parent:
             try:
-                conn.send_bytes(encode((Status.OK, None)))
+                write_message(conn.fileno(), encode((Status.OK, None)))
             except (BrokenPipeError, ConnectionResetError):
                 pass
         conn.close()
 
 
-def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None) -> None:
-    """Answer requests one at a time; return on CLOSE (the caller closes the env and replies)."""
+def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None, env_index: int) -> None:
+    """Answer requests one at a time; return on CLOSE (the caller closes the env and replies).
 
-    def step(payload: tuple[Any, bool]) -> tuple[Any, ...]:
-        action, autoreset = payload
-        obs, reward, terminated, truncated, info = env.step(action)
-        if check_obs is not None:
-            _raise_on_bad_obs(check_obs, obs)
-        reset_result = None
-        if autoreset and (terminated or truncated):
-            reset_result = reset((None, None))
-        return obs, reward, terminated, truncated, info, reset_result
+    Until the parent sends ATTACH, observations travel in the replies. After it, a request
+    with a slot writes them into that slot of shared memory, and the reply carries only what
+    does not fit there: the info dict when it is not empty, and a final observation.
+    """
+    writer: SlotWriter | None = None
 
-    def reset(payload: tuple[int | None, dict[str, Any] | None]) -> tuple[Any, dict[str, Any]]:
-        seed, options = payload
+    def reset(payload: tuple[int | None, dict[str, Any] | None, int | None]) -> Any:
+        seed, options, slot = payload
         obs, info = env.reset(seed=seed, options=options)
         if check_obs is not None:
             _raise_on_bad_obs(check_obs, obs)
-        return obs, info
+        if slot is None:
+            return obs, info
+        assert writer is not None
+        writer.write_obs(slot, obs)
+        return (None, info) if info else None
+
+    def step(payload: tuple[Any, bool, int | None]) -> Any:
+        action, autoreset, slot = payload
+        obs, reward, terminated, truncated, info = env.step(action)
+        if check_obs is not None:
+            _raise_on_bad_obs(check_obs, obs)
+        is_reset = autoreset and (terminated or truncated)
+        if slot is None:
+            reset_result = reset((None, None, None)) if is_reset else None
+            return obs, reward, terminated, truncated, info, reset_result
+        assert writer is not None
+        writer.write_result(reward, terminated, truncated)
+        if is_reset:  # the slot gets the new episode's first obs; the final one is pickled
+            reset_obs, reset_info = env.reset()
+            if check_obs is not None:
+                _raise_on_bad_obs(check_obs, reset_obs)
+            writer.write_obs(slot, reset_obs)
+            return obs, info, reset_info
+        writer.write_obs(slot, obs)
+        return (None, info, None) if info else None
 
     def call(payload: tuple[str, tuple[Any, ...], dict[str, Any]]) -> Any:
         name, args, kwargs = payload
@@ -130,6 +164,16 @@ def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None) -> None:
     def set_attr(payload: tuple[str, Any]) -> None:
         env.set_wrapper_attr(*payload)
 
+    def attach(layout: BatchLayout) -> None:
+        # The parent sends the fd only after this ack, so no read of ours can swallow it.
+        nonlocal writer
+        write_message(fd, encode((ok, None)))
+        writer = SlotWriter(layout, recv_handle(conn), env_index)
+
+    def fast_step(request: bytes) -> Any:
+        assert writer is not None
+        return step((writer.read_action(), bool(request[2]), request[1]))
+
     handlers: dict[int, Callable[[Any], Any]] = {
         Command.STEP: step,
         Command.RESET: reset,
@@ -137,22 +181,42 @@ def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None) -> None:
         Command.CALL: call,
         Command.GET_ATTR: env.get_wrapper_attr,
         Command.SET_ATTR: set_attr,
+        Command.ATTACH: attach,
+    }
+    fast_handlers: dict[int, tuple[Command, Callable[[bytes], Any]]] = {
+        FAST_STEP: (Command.STEP, fast_step),
+        FAST_RESET: (Command.RESET, lambda request: reset((None, None, request[1]))),
     }
     ok, error = int(Status.OK), int(Status.ERROR)
+    fd = conn.fileno()
+    read = MessageReader(fd).read
     while True:
-        command, payload = decode(conn.recv_bytes())
-        if command == Command.CLOSE:
-            return
-        try:
-            result = handlers[command](payload)
-        except Exception as exc:  # noqa: BLE001 - env errors go back to the parent as EnvError
-            conn.send_bytes(encode((error, _failure(exc))))
-            continue
+        request = read()
+        fast = fast_handlers.get(request[0])
+        if fast is not None:
+            command, handler = fast
+            try:
+                result = handler(request)
+            except Exception as exc:  # noqa: BLE001 - env errors go back to the parent as EnvError
+                write_message(fd, encode((error, _failure(exc))))
+                continue
+            if result is None:
+                os.write(fd, FAST_OK_FRAME)
+                continue
+        else:
+            command, payload = decode(request)
+            if command == Command.CLOSE:
+                return
+            try:
+                result = handlers[command](payload)
+            except Exception as exc:  # noqa: BLE001 - env errors go back to the parent as EnvError
+                write_message(fd, encode((error, _failure(exc))))
+                continue
         try:
             reply = encode((ok, result))
         except _PICKLE_ERRORS as exc:
             reply = encode((error, _failure(_explain_unpicklable(Command(command), result, exc))))
-        conn.send_bytes(reply)
+        write_message(fd, reply)
 
 
 def _failure(exc: BaseException) -> RemoteFailure:
@@ -170,7 +234,7 @@ def _explain_unpicklable(command: Command, result: Any, exc: Exception) -> TypeE
     """Name the info key (or the part of the reply) that could not be pickled."""
     info = None
     if command is Command.STEP:
-        info = result[4]
+        info = result[4] if len(result) == 6 else result[1]  # (final_obs, info, reset_info)
     elif command is Command.RESET:
         info = result[1]
     if isinstance(info, dict):

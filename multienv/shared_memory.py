@@ -1,0 +1,262 @@
+"""BOTH SIDES: a vector's shared buffers; the parent allocates and frees, a worker writes its slot.
+
+One anonymous memory file (``os.memfd_create``) per vector holds, for every env:
+
+- two observation slots. A worker writes the observation of each step into the slot the
+  parent names, never into the one holding the observation the caller saw last. So when a
+  worker is killed halfway through a write, that observation is still intact, and the
+  truncation the caller gets for the crash carries it (DESIGN.md);
+- its action, written by the parent before the step is sent (array action spaces only);
+- its reward, terminated and truncated flags.
+
+The file has no name, so nothing is left in ``/dev/shm`` whatever kills the parent; its fd
+travels to each worker over the pipe (``multiprocessing.reduction.send_handle``), again after
+every respawn, and the memory goes when the last mapping of it does.
+
+Fixed-shape spaces only: Box, Discrete, MultiBinary, MultiDiscrete, and Dict/Tuple of them.
+Other spaces are pickled through the pipe as before (``BatchLayout.supports``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+_ARRAY_SPACES = (
+    gym.spaces.Box,
+    gym.spaces.Discrete,
+    gym.spaces.MultiBinary,
+    gym.spaces.MultiDiscrete,
+)
+_ALIGN = 64  # bytes; each array starts on its own cache line
+Path = tuple[Any, ...]
+
+
+def _leaves(space: gym.Space[Any], path: Path = ()) -> Iterator[tuple[Path, gym.Space[Any]]]:
+    """Yield ``(path, space)`` for every array space in ``space``, in a fixed order."""
+    if isinstance(space, gym.spaces.Dict):
+        for key, sub in space.spaces.items():
+            yield from _leaves(sub, (*path, key))
+    elif isinstance(space, gym.spaces.Tuple):
+        for position, sub in enumerate(space.spaces):
+            yield from _leaves(sub, (*path, position))
+    else:
+        yield path, space
+
+
+def _is_fixed(space: gym.Space[Any]) -> bool:
+    return all(isinstance(leaf, _ARRAY_SPACES) for _, leaf in _leaves(space))
+
+
+def _dig(value: Any, path: Path) -> Any:
+    for key in path:
+        value = value[key]
+    return value
+
+
+def _assemble(space: gym.Space[Any], arrays: dict[Path, Any], path: Path = ()) -> Any:
+    """Nest ``arrays`` (keyed by leaf path) the way ``space`` nests its leaves."""
+    if isinstance(space, gym.spaces.Dict):
+        return {key: _assemble(sub, arrays, (*path, key)) for key, sub in space.spaces.items()}
+    if isinstance(space, gym.spaces.Tuple):
+        return tuple(_assemble(sub, arrays, (*path, i)) for i, sub in enumerate(space.spaces))
+    return arrays[path]
+
+
+class BatchLayout:
+    """Where each array of a vector's shared buffers lives; both sides build the same one.
+
+    Args:
+        observation_space: The single-env observation space (must be fixed-shape).
+        action_space: The single-env action space; its actions are shared only when it is a
+            plain Box, Discrete, MultiBinary or MultiDiscrete.
+        num_envs: How many envs the vector has.
+    """
+
+    def __init__(
+        self, observation_space: gym.Space[Any], action_space: gym.Space[Any], num_envs: int
+    ) -> None:
+        """Compute the offset, shape and dtype of every array."""
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.num_envs = num_envs
+        self.has_actions = isinstance(action_space, _ARRAY_SPACES)
+        self._arrays: dict[str, tuple[int, tuple[int, ...], np.dtype[Any]]] = {}
+        self._size = 0
+        self.obs_paths = [path for path, _ in _leaves(observation_space)]
+        for path, leaf in _leaves(observation_space):
+            self._add(("obs", *path), (2, num_envs, *leaf.shape), leaf.dtype)
+        if self.has_actions:
+            self._add(("action",), (num_envs, *action_space.shape), action_space.dtype)
+        self._add(("reward",), (num_envs,), np.dtype(np.float64))
+        self._add(("flags",), (2, num_envs), np.dtype(np.bool_))
+        self.size = max(self._size, 1)
+
+    @staticmethod
+    def supports(observation_space: gym.Space[Any]) -> bool:
+        """Whether observations of this space can go through shared memory on this platform."""
+        return (
+            hasattr(os, "memfd_create")
+            and sys.platform.startswith("linux")
+            and (_is_fixed(observation_space))
+        )
+
+    def _add(self, name: Path, shape: tuple[int, ...], dtype: Any) -> None:
+        dtype = np.dtype(dtype)
+        offset = -(-self._size // _ALIGN) * _ALIGN
+        self._arrays[repr(name)] = (offset, shape, dtype)
+        self._size = offset + int(np.prod(shape)) * dtype.itemsize
+
+    def views(self, buffer: Any) -> dict[str, np.ndarray]:
+        """Map every array onto ``buffer``; keys are ``repr`` of ``("obs", *path)`` etc."""
+        return {
+            name: np.ndarray(shape, dtype=dtype, buffer=buffer, offset=offset)
+            for name, (offset, shape, dtype) in self._arrays.items()
+        }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as the three arguments; the worker recomputes the same offsets."""
+        return BatchLayout, (self.observation_space, self.action_space, self.num_envs)
+
+
+class _Mapping:
+    """One mapping of the memory file, with named numpy views onto it."""
+
+    def __init__(self, layout: BatchLayout, fd: int) -> None:
+        self.layout = layout
+        self.memory = mmap.mmap(fd, layout.size)
+        views = layout.views(self.memory)
+        self.obs = {path: views[repr(("obs", *path))] for path in layout.obs_paths}
+        self.actions = views[repr(("action",))] if layout.has_actions else None
+        self.rewards = views[repr(("reward",))]
+        self.flags = views[repr(("flags",))]
+
+    def release(self) -> None:
+        """Drop the views and unmap, unless a caller still holds a view (then GC unmaps)."""
+        self.obs, self.actions = {}, None
+        self.rewards = self.flags = np.empty(0)
+        try:
+            self.memory.close()
+        except BufferError:
+            pass  # copy=False views are still alive; the mapping goes with the last of them
+
+
+class SharedBatch:
+    """PARENT SIDE: the vector's shared buffers and which observation slot each env is on.
+
+    Args:
+        observation_space: The single-env observation space; see ``BatchLayout.supports``.
+        action_space: The single-env action space.
+        num_envs: How many envs the vector has.
+    """
+
+    def __init__(
+        self, observation_space: gym.Space[Any], action_space: gym.Space[Any], num_envs: int
+    ) -> None:
+        """Allocate the memory file and map it."""
+        self.layout = BatchLayout(observation_space, action_space, num_envs)
+        self.fd: int | None = os.memfd_create("multienv-batch", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.layout.size)
+        self._mapping = _Mapping(self.layout, self.fd)
+        self.slot = np.zeros(num_envs, dtype=np.int8)  # the slot holding each env's last obs
+
+    @property
+    def actions(self) -> np.ndarray | None:
+        """The shared action array, shape ``(num_envs, *action_shape)``, or None."""
+        return self._mapping.actions
+
+    def read_result(self, env_index: int) -> tuple[float, bool, bool]:
+        """The reward, terminated and truncated flags that env's worker wrote last."""
+        mapping = self._mapping
+        flags = mapping.flags
+        return (
+            float(mapping.rewards[env_index]),
+            bool(flags[0, env_index]),
+            bool(flags[1, env_index]),
+        )
+
+    def read(self, env_index: int) -> Any:
+        """A copy of the observation that env is on (its current slot)."""
+        slot = int(self.slot[env_index])
+        arrays = {path: array[slot, env_index].copy() for path, array in self._mapping.obs.items()}
+        return _assemble(self.layout.observation_space, arrays)
+
+    def write(self, env_index: int, obs: Any) -> None:
+        """Put an observation the parent holds into the env's current slot."""
+        slot = int(self.slot[env_index])
+        for path, array in self._mapping.obs.items():
+            array[slot, env_index] = _dig(obs, path)
+
+    def observations(self, env_ids: Sequence[int] | None = None) -> Any:
+        """The batched observations: views of one slot for all envs, or a copy for ``env_ids``.
+
+        For all envs, envs left on the other slot (by a masked reset, a crash or partial
+        batches) are copied over first, so the result is one slot, without copying the rest.
+        """
+        mapping, slot = self._mapping, self.slot
+        if env_ids is not None:
+            ids = np.asarray(env_ids, dtype=np.intp)
+            arrays = {path: array[slot[ids], ids] for path, array in mapping.obs.items()}
+            return _assemble(self.layout.observation_space, arrays)
+        target = int(2 * int(slot.sum()) > slot.size)  # the slot most envs are on
+        behind = np.flatnonzero(slot != target)
+        if behind.size:
+            for array in mapping.obs.values():
+                array[target, behind] = array[1 - target, behind]
+            slot[behind] = target
+        arrays = {path: array[target] for path, array in mapping.obs.items()}
+        return _assemble(self.layout.observation_space, arrays)
+
+    def close(self) -> None:
+        """Close the memory file; the memory is freed once no worker or view maps it."""
+        self._mapping.release()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class SlotWriter:
+    """WORKER SIDE: one env's view of the shared buffers: its action, slots and result.
+
+    Args:
+        layout: The vector's layout, as the parent sent it.
+        fd: The memory file, received from the parent; closed once mapped.
+        env_index: Which env's slots this worker may write.
+    """
+
+    def __init__(self, layout: BatchLayout, fd: int, env_index: int) -> None:
+        """Map the memory file and pick out this env's rows."""
+        try:
+            self._mapping = _Mapping(layout, fd)
+        finally:
+            os.close(fd)
+        self._env_index = env_index
+        self._obs = [(path, array[:, env_index]) for path, array in self._mapping.obs.items()]
+        space = layout.action_space
+        self._is_discrete = isinstance(space, gym.spaces.Discrete)
+
+    def read_action(self) -> Any:
+        """This env's action, as the parent wrote it (a Python int for Discrete spaces)."""
+        actions = self._mapping.actions
+        assert actions is not None
+        if self._is_discrete:
+            return int(actions[self._env_index])
+        return actions[self._env_index].copy()
+
+    def write_obs(self, slot: int, obs: Any) -> None:
+        """Write ``obs`` into this env's ``slot``; the caller has checked its shape and dtype."""
+        for path, rows in self._obs:
+            rows[slot] = _dig(obs, path) if path else obs
+
+    def write_result(self, reward: Any, terminated: Any, truncated: Any) -> None:
+        """Write the reward and the two flags of the step."""
+        mapping, i = self._mapping, self._env_index
+        mapping.rewards[i] = reward
+        mapping.flags[0, i] = terminated
+        mapping.flags[1, i] = truncated
