@@ -515,6 +515,21 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             if len(per_env) != n:
                 raise ValueError(f"expected {n} actions (one per env), got {len(per_env)}.")
             return per_env
+        if isinstance(actions, np.ndarray) and actions.shape == (n, *space.shape):
+            batch = actions  # the usual case; the checks below only name what is wrong
+        else:
+            self._check_action_shapes(actions, env_ids)
+            batch = np.asarray(actions)
+        if isinstance(space, gym.spaces.Discrete | gym.spaces.MultiDiscrete) and not (
+            np.issubdtype(batch.dtype, np.integer)
+        ):
+            raise ValueError(f"expected integer actions for {space!r}, got dtype {batch.dtype}.")
+        if isinstance(space, gym.spaces.Discrete):
+            return batch.tolist()  # Python ints pickle several times faster than numpy scalars
+        return list(batch)
+
+    def _check_action_shapes(self, actions: Any, env_ids: list[int]) -> None:
+        n, space = len(env_ids), self.single_action_space
         try:
             count = len(actions)
         except TypeError:
@@ -532,14 +547,6 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     f"env {env_index}: action has shape {shape}; expected {space.shape} "
                     f"(single_action_space {space!r})."
                 )
-        batch = np.asarray(actions)
-        if isinstance(space, gym.spaces.Discrete | gym.spaces.MultiDiscrete) and not (
-            np.issubdtype(batch.dtype, np.integer)
-        ):
-            raise ValueError(f"expected integer actions for {space!r}, got dtype {batch.dtype}.")
-        if isinstance(space, gym.spaces.Discrete):
-            return batch.tolist()  # Python ints pickle several times faster than numpy scalars
-        return list(batch)
 
     def _step_calls(
         self, per_env: list[Any]
@@ -557,34 +564,36 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
     def _finish_step(
         self, results: dict[int, StepResult]
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        n = self.num_envs
-        rewards = np.zeros(n, dtype=np.float64)
-        terminations = np.zeros(n, dtype=np.bool_)
-        truncations = np.zeros(n, dtype=np.bool_)
+        rewards, terminations, truncations, infos = self._unpack(self._all_ids, results, self)
+        return self._batched_obs(), rewards, terminations, truncations, infos
+
+    def _unpack(
+        self, ids: list[int], results: dict[int, StepResult], merger: Any
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """Batch the results of ``ids`` in that order; ``merger._add_info`` merges infos."""
+        rewards, terminations, truncations = [], [], []
         infos: dict[str, Any] = {}
-        for i in range(n):
-            obs, rewards[i], terminations[i], truncations[i], info = results[i]
+        for position, i in enumerate(ids):
+            obs, reward, terminated, truncated, info = results[i]
+            rewards.append(reward)
+            terminations.append(terminated)
+            truncations.append(truncated)
             if obs is not None:
                 self._env_obs[i] = obs
             if info:
-                infos = self._add_info(infos, info, i)
-        return self._batched_obs(), rewards, terminations, truncations, infos
+                infos = merger._add_info(infos, info, position)
+        return (
+            np.array(rewards, dtype=np.float64),
+            np.array(terminations, dtype=np.bool_),
+            np.array(truncations, dtype=np.bool_),
+            infos,
+        )
 
     def _finish_partial(
         self, ids: list[int], results: dict[int, StepResult]
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         size = len(ids)
-        rewards = np.zeros(size, dtype=np.float64)
-        terminations = np.zeros(size, dtype=np.bool_)
-        truncations = np.zeros(size, dtype=np.bool_)
-        batch = _PartialInfos(size)
-        infos: dict[str, Any] = {}
-        for position, i in enumerate(ids):
-            obs, rewards[position], terminations[position], truncations[position], info = results[i]
-            if obs is not None:
-                self._env_obs[i] = obs
-            if info:
-                infos = batch._add_info(infos, info, position)
+        rewards, terminations, truncations, infos = self._unpack(ids, results, _PartialInfos(size))
         infos["env_id"] = np.asarray(ids, dtype=np.int64)
         if self._shared is not None:
             observations = self._shared.observations(ids)  # a gather, so already a copy
@@ -597,8 +606,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
     def _batched_obs(self) -> Any:
         if self._shared is not None:
-            observations = self._shared.observations()
-            return deepcopy(observations) if self.copy else observations
+            return self._shared.observations(copy=self.copy)
         self._observations = concatenate(
             self.single_observation_space, self._env_obs, self._observations
         )
@@ -625,7 +633,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
     def _gather(self, outcomes: list[Future[_SliceOutcome] | _SliceOutcome]) -> dict[int, Any]:
         futures = [o for o in outcomes if isinstance(o, Future)]
-        wait_futures(futures)
+        if futures:
+            wait_futures(futures)
         return self._collect(outcomes)
 
     def _collect(self, outcomes: Sequence[Future[_SliceOutcome] | _SliceOutcome]) -> dict[int, Any]:

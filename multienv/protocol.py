@@ -104,10 +104,17 @@ FAST_OK_FRAME = frame(FAST_OK)
 
 
 def write_message(fd: int, payload: bytes) -> None:
-    """Write one framed message, however many writes it takes."""
-    data = memoryview(frame(payload))
-    while data:
-        data = data[os.write(fd, data) :]
+    """Write one message, however many writes it takes."""
+    write_frame(fd, frame(payload))
+
+
+def write_frame(fd: int, data: bytes) -> None:
+    """Write bytes that ``frame()`` made; a small message takes one write."""
+    written = os.write(fd, data)
+    if written < len(data):
+        view = memoryview(data)[written:]
+        while view:
+            view = view[os.write(fd, view) :]
 
 
 class MessageReader:

@@ -193,7 +193,7 @@ class SharedBatch:
         for path, array in self._mapping.obs.items():
             array[slot, env_index] = _dig(obs, path)
 
-    def observations(self, env_ids: Sequence[int] | None = None) -> Any:
+    def observations(self, env_ids: Sequence[int] | None = None, *, copy: bool = False) -> Any:
         """The batched observations: views of one slot for all envs, or a copy for ``env_ids``.
 
         For all envs, envs left on the other slot (by a masked reset, a crash or partial
@@ -210,7 +210,10 @@ class SharedBatch:
             for array in mapping.obs.values():
                 array[target, behind] = array[1 - target, behind]
             slot[behind] = target
-        arrays = {path: array[target] for path, array in mapping.obs.items()}
+        if copy:
+            arrays = {path: array[target].copy() for path, array in mapping.obs.items()}
+        else:
+            arrays = {path: array[target] for path, array in mapping.obs.items()}
         return _assemble(self.layout.observation_space, arrays)
 
     def close(self) -> None:

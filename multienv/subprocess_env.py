@@ -65,7 +65,9 @@ from multienv.protocol import (
     Status,
     decode,
     encode,
+    frame,
     worker_main,
+    write_frame,
     write_message,
 )
 from multienv.restart import RestartPolicy
@@ -80,6 +82,10 @@ _PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
 _FORKSERVER_PRELOAD = ["__main__", "numpy", "gymnasium", "cloudpickle", "multienv.worker"]
 _STDERR_TAIL_LINES = 30
 _FAST_OK_REPLY = (Status.OK, None)
+_FAST_STEP_FRAMES = [
+    [frame(bytes((FAST_STEP, slot, autoreset))) for autoreset in (0, 1)] for slot in (0, 1)
+]
+_FAST_RESET_FRAMES = [frame(bytes((FAST_RESET, slot))) for slot in (0, 1)]
 _OBS_COMMANDS = (Command.STEP, Command.RESET)
 
 
@@ -542,7 +548,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
             events = [(process.sentinel, 0)]  # close() on another thread closed the pipe
         if self._is_closing.is_set():
             raise ClosedEnvironmentError(f"env {self.env_index}: closed while a call was waiting.")
-        if any(fd == conn.fileno() for fd, _ in events):
+        if any(fd == self._fd for fd, _ in events):
             assert self._reader is not None
             try:
                 reply = self._reader.read()
@@ -564,7 +570,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
         return _Death(_describe_exit(process.exitcode))
 
     def _begin(self, command: Command, payload: Any, name: str, timeout: float | None) -> None:
-        self._require(EnvState.READY, name)
+        if self._state is not EnvState.READY:
+            self._require(EnvState.READY, name)
         if self._pending is not None:
             # A call interrupted in the parent (e.g. by KeyboardInterrupt) left a reply in flight.
             self._discard_pending()
@@ -572,31 +579,31 @@ class SubprocessEnv(gym.Env[Any, Any]):
         if command in _OBS_COMMANDS:
             message = self._obs_request(command, payload)
         else:
-            message = encode((int(command), payload))
+            message = frame(encode((int(command), payload)))
         deadline = None if timeout is None else time.monotonic() + timeout
         self._pending = (command, payload, deadline)
         self._sent_at = time.perf_counter()
         try:
-            write_message(self._fd, message)
+            write_frame(self._fd, message)
         except _PIPE_ERRORS:
             pass  # the worker is dead; _finish() sees its sentinel and respawns
 
     def _obs_request(self, command: Command, payload: tuple[Any, Any]) -> bytes:
-        """Encode a step or reset; when attached, name the slot its observation goes into."""
+        """Frame a step or reset; when attached, name the slot its observation goes into."""
         shared = self._shared
         if shared is None:
             self._write_slot = None
-            return encode((int(command), (*payload, None)))
+            return frame(encode((int(command), (*payload, None))))
         slot = 1 - int(shared.slot[self.env_index])  # never the slot the caller saw last
         self._write_slot = slot
         if command is Command.STEP:
             action, autoreset = payload
             if shared.actions is not None:
                 shared.actions[self.env_index] = action
-                return bytes((FAST_STEP, slot, autoreset))
+                return _FAST_STEP_FRAMES[slot][autoreset]
         elif payload == (None, None):
-            return bytes((FAST_RESET, slot))
-        return encode((int(command), (*payload, slot)))
+            return _FAST_RESET_FRAMES[slot]
+        return frame(encode((int(command), (*payload, slot))))
 
     def _finish(self) -> Any:
         if self._pending is None:
