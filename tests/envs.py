@@ -277,3 +277,40 @@ class SlowMethod(CountingEnv):
     def slow_value(self, delay_s: float = 0.5) -> int:
         time.sleep(delay_s)
         return 42
+
+
+class SleepyEnv(CountingEnv):
+    """Each step sleeps ``step_s`` (or ``slow_s``, for a straggler).
+
+    Every step reports when it started and ended (``info["began"]``, ``info["ended"]``) so a
+    test can count how many envs were stepping at once.
+    """
+
+    def __init__(self, step_s: float = 0.05, slow_s: float | None = None) -> None:
+        super().__init__(episode_length=1000)
+        self.step_s, self.slow_s = step_s, slow_s
+
+    def step(self, action):
+        began = time.time()
+        time.sleep(self.slow_s if self.slow_s is not None else self.step_s)
+        obs, reward, terminated, truncated, info = super().step(action)
+        info.update(began=began, ended=time.time())
+        return obs, reward, terminated, truncated, info
+
+
+class TextObsEnv(gym.Env):
+    """A Text observation space: not fixed-shape, so it goes through pickling, not shared memory."""
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Text(max_length=8)
+        self.action_space = gym.spaces.Discrete(2)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return "a", {}
+
+    def step(self, action):
+        self.t += 1
+        return "ab"[action] * (self.t % 8 + 1), 1.0, self.t >= 5, False, {}

@@ -1,0 +1,166 @@
+"""send()/recv() partial batches, max_concurrency, and the shared-memory data path."""
+
+import functools
+import os
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import SyncVectorEnv
+
+from multienv import EnvStateError, MultiEnv
+from tests.envs import CountingEnv, SleepyEnv, TextObsEnv
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def max_overlap(intervals):
+    """The largest number of (began, ended) intervals that contain one instant."""
+    events = sorted([(b, 1) for b, _ in intervals] + [(e, -1) for _, e in intervals])
+    running = peak = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
+def test_recv_returns_the_first_envs_to_finish_and_a_straggler_does_not_hold_them_back():
+    fns = [functools.partial(SleepyEnv, slow_s=2.0)] + [functools.partial(SleepyEnv, 0.01)] * 3
+    with MultiEnv(fns) as envs:
+        envs.reset(seed=0)
+        envs.send(np.ones(4, dtype=np.int64))
+        began = time.monotonic()
+        obs, rewards, terminations, truncations, infos = envs.recv(batch_size=3)
+        assert time.monotonic() - began < 1.5  # the 2 s straggler was not waited for
+        assert infos["env_id"].tolist() == [1, 2, 3]
+        assert obs.shape == (3, 1) and obs[:, 0].tolist() == [1.0, 1.0, 1.0]
+        assert rewards.tolist() == [1.0, 1.0, 1.0]
+        assert terminations.shape == truncations.shape == (3,)
+        assert infos["count"].tolist() == [1, 1, 1] and infos["_count"].all()
+
+        envs.send(np.zeros(2, dtype=np.int64), env_ids=[1, 3])
+        obs, *_, infos = envs.recv()  # all in flight: the straggler and envs 1 and 3
+        assert infos["env_id"].tolist() == [0, 1, 3]
+        assert obs[:, 0].tolist() == [1.0, 2.0, 2.0]
+
+
+def test_send_and_recv_reject_misuse_before_anything_is_sent():
+    with MultiEnv([CountingEnv] * 3) as envs:
+        envs.reset()
+        with pytest.raises(EnvStateError, match="no env in flight"):
+            envs.recv()
+        envs.send(np.zeros(1, dtype=np.int64), env_ids=[2])
+        with pytest.raises(EnvStateError, match="env 2: already in flight"):
+            envs.send(np.zeros(1, dtype=np.int64), env_ids=[2])
+        with pytest.raises(ValueError, match="env 1: appears twice"):
+            envs.send(np.zeros(2, dtype=np.int64), env_ids=[1, 1])
+        with pytest.raises(ValueError, match="env 5: no such env"):
+            envs.send(np.zeros(1, dtype=np.int64), env_ids=[5])
+        with pytest.raises(ValueError, match="expected 2 actions"):
+            envs.send(np.zeros(3, dtype=np.int64), env_ids=[0, 1])
+        with pytest.raises(EnvStateError, match=r"envs \[2\] are in flight"):
+            envs.step(np.zeros(3, dtype=np.int64))
+        with pytest.raises(ValueError, match="batch_size"):
+            envs.recv(batch_size=2)
+        *_, infos = envs.recv()
+        assert infos["env_id"].tolist() == [2]
+        envs.step(np.zeros(3, dtype=np.int64))  # idle again
+
+
+def test_recv_timeout_raises_and_loses_nothing():
+    with MultiEnv([functools.partial(SleepyEnv, slow_s=1.0)] * 2) as envs:
+        envs.reset()
+        envs.send(np.ones(2, dtype=np.int64))
+        with pytest.raises(TimeoutError, match="still in flight"):
+            envs.recv(timeout=0.1)
+        obs, rewards, *_, infos = envs.recv(timeout=30)
+        assert infos["env_id"].tolist() == [0, 1] and rewards.tolist() == [1.0, 1.0]
+
+
+def test_worker_killed_while_in_flight_comes_back_as_a_flagged_truncation():
+    with MultiEnv([functools.partial(SleepyEnv, slow_s=1.0), CountingEnv]) as envs:
+        envs.reset()
+        envs.step(np.ones(2, dtype=np.int64))
+        envs.send(np.ones(2, dtype=np.int64))
+        os.kill(envs.envs[0].pid, signal.SIGKILL)
+        obs, rewards, terminations, truncations, infos = envs.recv()
+        assert truncations.tolist() == [True, False] and rewards.tolist() == [0.0, 1.0]
+        assert infos["multienv"]["restarted"][0] and infos["multienv"]["_restarted"].tolist() == [
+            True,
+            False,
+        ]
+        assert obs[:, 0].tolist() == [1.0, 2.0]  # env 0: the last obs the caller saw
+
+
+def test_max_concurrency_bounds_the_envs_stepping_at_once():
+    with MultiEnv([functools.partial(SleepyEnv, 0.05)] * 6, max_concurrency=2) as envs:
+        envs.reset()
+        intervals = []
+        for _ in range(3):
+            obs, *_, infos = envs.step(np.ones(6, dtype=np.int64))
+            intervals += list(zip(infos["began"], infos["ended"], strict=True))
+        envs.step_async(np.ones(6, dtype=np.int64))
+        obs, *_, infos = envs.step_wait(timeout=30)
+        intervals += list(zip(infos["began"], infos["ended"], strict=True))
+        assert obs[:, 0].tolist() == [4.0] * 6
+        assert max_overlap(intervals) <= 2
+
+
+def test_copy_false_returns_views_of_shared_memory_and_copy_true_does_not():
+    with MultiEnv([CountingEnv] * 2, copy=False) as envs:
+        first, _ = envs.reset()
+        envs.step(np.ones(2, dtype=np.int64))
+        second, *_ = envs.step(np.ones(2, dtype=np.int64))
+        assert second[:, 0].tolist() == [2.0, 2.0]
+        assert first[:, 0].tolist() == [2.0, 2.0]  # same slot as two steps ago: a view
+    with MultiEnv([CountingEnv] * 2) as envs:
+        first, _ = envs.reset()
+        envs.step(np.ones(2, dtype=np.int64))
+        envs.step(np.ones(2, dtype=np.int64))
+        assert first[:, 0].tolist() == [0.0, 0.0]
+
+
+def test_shared_memory_leaves_nothing_in_dev_shm():
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with MultiEnv([CountingEnv] * 3) as envs:
+        envs.reset()
+        envs.step(np.ones(3, dtype=np.int64))
+        os.kill(envs.envs[1].pid, signal.SIGKILL)
+        envs.step(np.ones(3, dtype=np.int64))
+        during = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert during == before  # the memory file has no name
+
+
+def test_spaces_that_are_not_fixed_shape_are_pickled_and_still_match_gymnasium():
+    fns = [TextObsEnv] * 3
+    ours, ref = MultiEnv(fns), SyncVectorEnv(fns)
+    try:
+        assert list(ours.reset(seed=0)[0]) == list(ref.reset(seed=0)[0])
+        for t in range(12):
+            actions = np.array([t % 2, 1, 0])
+            got, want = ours.step(actions), ref.step(actions)
+            assert list(got[0]) == list(want[0]), t
+            np.testing.assert_array_equal(got[2], want[2])
+    finally:
+        ours.close()
+        ref.close()
+
+
+def test_box_actions_travel_through_shared_memory():
+    def env_fn():
+        return gym.wrappers.TransformReward(gym.make("Pendulum-v1"), lambda r: r)
+
+    fns = [env_fn] * 2
+    ours, ref = MultiEnv(fns), SyncVectorEnv(fns)
+    try:
+        np.testing.assert_array_equal(ours.reset(seed=3)[0], ref.reset(seed=3)[0])
+        for t in range(20):
+            actions = np.full((2, 1), np.sin(t), dtype=np.float32)
+            got, want = ours.step(actions), ref.step(actions)
+            np.testing.assert_allclose(got[0], want[0], err_msg=str(t))
+            np.testing.assert_allclose(got[1], want[1], err_msg=str(t))
+    finally:
+        ours.close()
+        ref.close()
