@@ -35,10 +35,12 @@ def test_recv_returns_the_first_envs_to_finish_and_a_straggler_does_not_hold_the
         obs, rewards, terminations, truncations, infos = envs.recv(batch_size=3)
         assert time.monotonic() - began < 1.5  # the 2 s straggler was not waited for
         assert infos["env_id"].tolist() == [1, 2, 3]
-        assert obs.shape == (3, 1) and obs[:, 0].tolist() == [1.0, 1.0, 1.0]
+        assert obs.shape == (3, 1)
+        assert obs[:, 0].tolist() == [1.0, 1.0, 1.0]
         assert rewards.tolist() == [1.0, 1.0, 1.0]
         assert terminations.shape == truncations.shape == (3,)
-        assert infos["count"].tolist() == [1, 1, 1] and infos["_count"].all()
+        assert infos["count"].tolist() == [1, 1, 1]
+        assert infos["_count"].all()
 
         envs.send(np.zeros(2, dtype=np.int64), env_ids=[1, 3])
         obs, *_, infos = envs.recv()  # all in flight: the straggler and envs 1 and 3
@@ -75,8 +77,9 @@ def test_recv_timeout_raises_and_loses_nothing():
         envs.send(np.ones(2, dtype=np.int64))
         with pytest.raises(TimeoutError, match="still in flight"):
             envs.recv(timeout=0.1)
-        obs, rewards, *_, infos = envs.recv(timeout=30)
-        assert infos["env_id"].tolist() == [0, 1] and rewards.tolist() == [1.0, 1.0]
+        _obs, rewards, *_, infos = envs.recv(timeout=30)
+        assert infos["env_id"].tolist() == [0, 1]
+        assert rewards.tolist() == [1.0, 1.0]
 
 
 def test_worker_killed_while_in_flight_comes_back_as_a_flagged_truncation():
@@ -85,9 +88,11 @@ def test_worker_killed_while_in_flight_comes_back_as_a_flagged_truncation():
         envs.step(np.ones(2, dtype=np.int64))
         envs.send(np.ones(2, dtype=np.int64))
         os.kill(envs.envs[0].pid, signal.SIGKILL)
-        obs, rewards, terminations, truncations, infos = envs.recv()
-        assert truncations.tolist() == [True, False] and rewards.tolist() == [0.0, 1.0]
-        assert infos["multienv"]["restarted"][0] and infos["multienv"]["_restarted"].tolist() == [
+        obs, rewards, _terminations, truncations, infos = envs.recv()
+        assert truncations.tolist() == [True, False]
+        assert rewards.tolist() == [0.0, 1.0]
+        assert infos["multienv"]["restarted"][0]
+        assert infos["multienv"]["_restarted"].tolist() == [
             True,
             False,
         ]
