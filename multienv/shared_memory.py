@@ -187,12 +187,6 @@ class SharedBatch:
         arrays = {path: array[slot, env_index].copy() for path, array in self._mapping.obs.items()}
         return _assemble(self.layout.observation_space, arrays)
 
-    def write(self, env_index: int, obs: Any) -> None:
-        """Put an observation the parent holds into the env's current slot."""
-        slot = int(self.slot[env_index])
-        for path, array in self._mapping.obs.items():
-            array[slot, env_index] = _dig(obs, path)
-
     def observations(self, env_ids: Sequence[int] | None = None, *, copy: bool = False) -> Any:
         """The batched observations: views of one slot for all envs, or a copy for ``env_ids``.
 
