@@ -343,7 +343,10 @@ class Chaos:
                 return
             self.next_kill += self.every
             victim = self.envs[int(self.rng.integers(len(self.envs)))]
-            os.kill(victim.pid, signal.SIGKILL)
+            try:
+                os.kill(victim.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return  # already dead and being respawned (another A3C learner's env)
             self.recorder.kill_steps.append(self.recorder.env_steps)
 
 
