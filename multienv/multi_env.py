@@ -163,7 +163,11 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             self._shared = SharedBatch(
                 self.single_observation_space, self.single_action_space, self.num_envs
             )
-            self._map(lambda i: proxies[i].attach(self._shared))
+            try:
+                self._map(lambda i: proxies[i].attach(self._shared))
+            except BaseException:
+                self._shared.close()
+                raise
 
     # ----------------------------------------------------------------- vector API
 
