@@ -282,14 +282,10 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 f"batch_size from 1 to {len(flying)}, or None for all."
             )
         ids = self._wait_for(flying, size, timeout)
+        self._in_flight.difference_update(ids)
         results: dict[int, StepResult] = {}
         errors: dict[int, BaseException] = {}
-        for i in ids:
-            self._in_flight.discard(i)
-            try:
-                results[i] = self._wrappers[i].recv_step()
-            except Exception as exc:  # noqa: BLE001 - raised below, lowest env index first
-                errors[i] = exc
+        self._recv_steps(ids, results, errors)
         self._collect([(results, errors)])
         return self._finish_partial(ids, results)
 
@@ -425,8 +421,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         ready: list[int] = []
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            waiting = [i for i in flying if i not in ready]
-            ready += [waiting[p] for p in self._wait_ready([self.envs[i] for i in waiting], left)]
+            ready += self._ready([i for i in flying if i not in ready], left)
             if len(ready) >= size:
                 return sorted(ready[:size])
             if deadline is not None and time.monotonic() >= deadline:
@@ -434,6 +429,22 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     f"recv() timed out after {timeout} s with {len(ready)} of the {size} envs "
                     "ready; every step is still in flight, call recv() again."
                 )
+
+    def _ready(self, ids: list[int], timeout: float | None = None) -> list[int]:
+        """Those of ``ids`` whose call can be collected now, after waiting up to ``timeout``."""
+        if self._wait_ready is None:  # a backend without a multi-wait: the first, blocking
+            return ids[:1]
+        return [ids[p] for p in self._wait_ready([self.envs[i] for i in ids], timeout)]
+
+    def _recv_steps(
+        self, ids: list[int], results: dict[int, StepResult], errors: dict[int, BaseException]
+    ) -> None:
+        """Collect the steps of ``ids`` into ``results``, or their errors into ``errors``."""
+        for i in ids:
+            try:
+                results[i] = self._wrappers[i].recv_step()
+            except Exception as exc:  # noqa: BLE001 - raised by _collect, lowest index first
+                errors[i] = exc
 
     def _is_limited(self) -> bool:
         return self.max_concurrency is not None and self.max_concurrency < self.num_envs
@@ -455,16 +466,9 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     errors[i] = exc
             if not running:
                 break
-            if self._wait_ready is None:
-                done = running[:1]
-            else:
-                done = [running[p] for p in self._wait_ready([self.envs[i] for i in running])]
-            for i in done:
-                running.remove(i)
-                try:
-                    results[i] = self._wrappers[i].recv_step()
-                except Exception as exc:  # noqa: BLE001 - raised by _collect, lowest index first
-                    errors[i] = exc
+            done = self._ready(running)
+            running = [i for i in running if i not in done]
+            self._recv_steps(done, results, errors)
         return self._collect([(results, errors)])
 
     def _step_limited_outcome(self, per_env: list[Any]) -> _SliceOutcome:

@@ -148,11 +148,8 @@ def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None, env_index
         assert writer is not None
         writer.write_result(reward, terminated, truncated)
         if is_reset:  # the slot gets the new episode's first obs; the final one is pickled
-            reset_obs, reset_info = env.reset()
-            if check_obs is not None:
-                _raise_on_bad_obs(check_obs, reset_obs)
-            writer.write_obs(slot, reset_obs)
-            return obs, info, reset_info
+            reset_reply = reset((None, None, slot))
+            return obs, info, {} if reset_reply is None else reset_reply[1]
         writer.write_obs(slot, obs)
         return (None, info, None) if info else None
 
