@@ -169,3 +169,19 @@ def test_box_actions_travel_through_shared_memory():
     finally:
         ours.close()
         ref.close()
+
+
+def test_step_timeout_in_flight_kills_the_hung_worker_and_recv_returns_a_truncation():
+    fns = [functools.partial(SleepyEnv, slow_s=3600.0), functools.partial(SleepyEnv, 0.01)]
+    with MultiEnv(fns, step_timeout=0.5) as envs:
+        envs.reset()
+        hung_pid = envs.envs[0].pid
+        envs.send(np.ones(2, dtype=np.int64))
+        *_, infos = envs.recv(batch_size=1)
+        assert infos["env_id"].tolist() == [1]  # the healthy env is not held back
+        _obs, rewards, _terminations, truncations, infos = envs.recv(timeout=30)
+        assert infos["env_id"].tolist() == [0]
+        assert truncations.tolist() == [True]
+        assert rewards.tolist() == [0.0]
+        assert infos["multienv"]["cause"].tolist() == ["timeout"]
+        assert envs.envs[0].pid != hung_pid
