@@ -2,7 +2,8 @@
 
 Every request is a tuple ``(int(Command), payload)``; every reply is a tuple
 ``(int(Status), payload)``, except on the shared-memory fast path below, where a step is a
-three-byte request and a one-byte reply. Each message is framed with a 4-byte length
+four-byte request and a four-byte record on the vector's shared "done" pipe. Each message
+is framed with a 4-byte length
 (``write_message`` / ``MessageReader``, straight on the socket's fd, so a small message costs
 one system call each way) and pickled with plain ``pickle`` (``encode``/``decode``):
 multiprocessing's own ``send`` builds a ForkingPickler per message and its ``recv_bytes``
@@ -33,15 +34,20 @@ class Command(enum.IntEnum):
     GET_ATTR = 5  # payload: name
     SET_ATTR = 6  # payload: (name, value)
     CLOSE = 7  # payload: None; the worker closes the env, replies and exits
-    ATTACH = 8  # payload: BatchLayout; the memory file's fd follows (send_handle)
+    ATTACH = 8  # payload: (BatchLayout, env_index); the memory file's and done pipe's fds follow
 
 
-# Shared-memory fast path. A request or reply whose first byte is below 0x80 is one of these
-# raw messages, not a pickle (every pickle of protocol 2 or later starts with 0x80). With
-# ``slot`` set, observations, rewards and flags travel in shared memory, not in the reply.
-FAST_STEP = 0x01  # bytes([FAST_STEP, slot, autoreset]); the action is in shared memory
-FAST_RESET = 0x02  # bytes([FAST_RESET, slot]); a reset with no seed and no options
-FAST_OK = b"\x00"  # the reply to a fast request whose info is empty
+# Shared-memory fast path. A request whose first byte is below 0x80 is one of these raw
+# messages, not a pickle (every pickle of protocol 2 or later starts with 0x80). Its
+# observation, reward and flags travel in shared memory. The worker does not answer on its
+# own pipe but writes a DONE record to the done pipe that all workers of a vector share, so
+# the parent collects many replies with one read. ``seq`` (1 to 255) tells a late record of
+# a killed worker from the answer to the current request.
+FAST_STEP = 0x01  # bytes([FAST_STEP, slot, autoreset, seq]); the action is in shared memory
+FAST_RESET = 0x02  # bytes([FAST_RESET, slot, seq]); a reset with no seed and no options
+DONE_RECORD = struct.Struct("<HBB")  # env_index, seq, DONE_OK or DONE_REPLY; atomic in a pipe
+DONE_OK = 0  # everything is in shared memory
+DONE_REPLY = 1  # a framed reply follows on the worker's own pipe (an info dict, an error)
 
 
 class Status(enum.IntEnum):
@@ -98,9 +104,6 @@ _HEADER = struct.Struct("!I")
 def frame(payload: bytes) -> bytes:
     """The bytes that carry ``payload`` on the wire: its length, then itself."""
     return _HEADER.pack(len(payload)) + payload
-
-
-FAST_OK_FRAME = frame(FAST_OK)
 
 
 def write_message(fd: int, payload: bytes) -> None:

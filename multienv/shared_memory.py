@@ -13,6 +13,10 @@ The file has no name, so nothing is left in ``/dev/shm`` whatever kills the pare
 travels to each worker over the pipe (``multiprocessing.reduction.send_handle``), again after
 every respawn, and the memory goes when the last mapping of it does.
 
+Beside the file, a vector has one "done" pipe that every worker writes a short record to
+when it has finished a fast request (``protocol.DONE_RECORD``). The parent reads all the
+records that are in with one read and notes them per env (``SharedBatch.drain``).
+
 Fixed-shape spaces only: Box, Discrete, MultiBinary, MultiDiscrete, and Dict/Tuple of them.
 Other spaces are pickled through the pipe as before (``BatchLayout.supports``).
 """
@@ -27,6 +31,8 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+
+from multienv.protocol import DONE_RECORD
 
 _ARRAY_SPACES = (
     gym.spaces.Box,
@@ -165,6 +171,25 @@ class SharedBatch:
         os.ftruncate(self.fd, self.layout.size)
         self._mapping = _Mapping(self.layout, self.fd)
         self.slot = np.zeros(num_envs, dtype=np.int8)  # the slot holding each env's last obs
+        self.done_read, self.done_write = os.pipe()
+        os.set_blocking(self.done_read, False)
+        # Per env: the seq and kind of the last DONE record read (seq 0: none since taken).
+        self.done_seq = [0] * num_envs
+        self.done_kind = [0] * num_envs
+
+    def drain(self) -> None:
+        """Read every DONE record that is in and note it under its env; never blocks."""
+        done_seq, done_kind = self.done_seq, self.done_kind
+        while True:
+            try:
+                data = os.read(self.done_read, 65536)
+            except BlockingIOError:
+                return
+            for env_index, seq, kind in DONE_RECORD.iter_unpack(data):
+                done_seq[env_index] = seq
+                done_kind[env_index] = kind
+            if len(data) < 65536:
+                return
 
     @property
     def actions(self) -> np.ndarray | None:
@@ -215,6 +240,8 @@ class SharedBatch:
         self._mapping.release()
         if self.fd is not None:
             os.close(self.fd)
+            os.close(self.done_read)
+            os.close(self.done_write)
             self.fd = None
 
 
@@ -224,15 +251,17 @@ class SlotWriter:
     Args:
         layout: The vector's layout, as the parent sent it.
         fd: The memory file, received from the parent; closed once mapped.
+        done_fd: The write end of the vector's done pipe, received from the parent; owned.
         env_index: Which env's slots this worker may write.
     """
 
-    def __init__(self, layout: BatchLayout, fd: int, env_index: int) -> None:
+    def __init__(self, layout: BatchLayout, fd: int, done_fd: int, env_index: int) -> None:
         """Map the memory file and pick out this env's rows."""
         try:
             self._mapping = _Mapping(layout, fd)
         finally:
             os.close(fd)
+        self._done_fd = done_fd
         self._env_index = env_index
         self._obs = [(path, array[:, env_index]) for path, array in self._mapping.obs.items()]
         space = layout.action_space
@@ -257,3 +286,7 @@ class SlotWriter:
         mapping.rewards[i] = reward
         mapping.flags[0, i] = terminated
         mapping.flags[1, i] = truncated
+
+    def notify(self, seq: int, kind: int) -> None:
+        """Tell the parent the request ``seq`` is done (``DONE_OK`` or ``DONE_REPLY``)."""
+        os.write(self._done_fd, DONE_RECORD.pack(self._env_index, seq, kind))

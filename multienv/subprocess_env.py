@@ -54,7 +54,7 @@ from multienv.errors import (
     EnvStateError,
 )
 from multienv.protocol import (
-    FAST_OK,
+    DONE_OK,
     FAST_RESET,
     FAST_STEP,
     Command,
@@ -82,10 +82,8 @@ _PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
 _FORKSERVER_PRELOAD = ["__main__", "numpy", "gymnasium", "cloudpickle", "multienv.worker"]
 _STDERR_TAIL_LINES = 30
 _FAST_OK_REPLY = (Status.OK, None)
-_FAST_STEP_FRAMES = [
-    [frame(bytes((FAST_STEP, slot, autoreset))) for autoreset in (0, 1)] for slot in (0, 1)
-]
-_FAST_RESET_FRAMES = [frame(bytes((FAST_RESET, slot))) for slot in (0, 1)]
+_STEP_HEADER = frame(bytes(4))[:-4]  # the length prefix of a four-byte fast step
+_RESET_HEADER = frame(bytes(3))[:-3]
 _OBS_COMMANDS = (Command.STEP, Command.RESET)
 
 
@@ -212,6 +210,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._last_obs: Any = None
         self._shared: SharedBatch | None = None  # set by attach(); then obs travel through it
         self._write_slot: int | None = None  # the shared slot the in-flight call writes into
+        self._seq = 0  # of the last fast request, 1 to 255
+        self._notify_seq = 0  # the in-flight fast request's seq; 0 when its reply is a message
         self._restart_times: list[float] = []
         self._consecutive_restarts = 0  # respawns since the last successful call
         self._broken_error: EnvCrashedError | None = None
@@ -316,6 +316,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         """
         self._require(EnvState.READY, "attach")
         self._shared = shared
+        self._poller.register(shared.done_read, select.POLLIN)
         cause = self._attach_worker()
         if cause is not None:
             self._respawn(cause)
@@ -361,8 +362,9 @@ class SubprocessEnv(gym.Env[Any, Any]):
     def wait_ready(envs: Sequence[SubprocessEnv], timeout: float | None = None) -> list[int]:
         """Wait until at least one of ``envs`` can be collected without blocking.
 
-        Waits on every worker's pipe and process sentinel together, so a death is seen at
-        once. An env counts as ready when its reply is in, its worker died, its step or
+        Waits on every worker's pipe and process sentinel, and on the vectors' done pipes,
+        together, so a death is seen at once. An env counts as ready when its reply or DONE
+        record is in, its worker died, its step or
         reset deadline passed (collecting it then kills the worker), or it has nothing in
         flight (collecting it then raises).
 
@@ -373,44 +375,67 @@ class SubprocessEnv(gym.Env[Any, Any]):
         Returns:
             The positions in ``envs`` that are ready, ascending; empty if ``timeout`` passed.
         """
-        now = time.monotonic()
-        deadline = None if timeout is None else now + timeout
-        poller = select.poll()
-        owner: dict[int, int] = {}
-        expired = []
-        for position, env in enumerate(envs):
-            handles = env._wait_handles()
-            if handles is None:
-                expired.append(position)
-                continue
-            fds, env_deadline = handles
-            if env_deadline is not None:
-                if env_deadline <= now:
-                    expired.append(position)
-                    continue
-                deadline = env_deadline if deadline is None else min(deadline, env_deadline)
-            for fd in fds:
-                poller.register(fd, select.POLLIN)
-                owner[fd] = position
-        if expired:
-            return expired
-        timeout_ms = None if deadline is None else max(0, math.ceil((deadline - now) * 1000))
-        ready = {owner[fd] for fd, _ in poller.poll(timeout_ms)}
-        if not ready:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        has_polled = False
+        while True:
             now = time.monotonic()
+            poller = select.poll()
+            owner: dict[int, int] = {}
+            channels: dict[int, SharedBatch] = {}  # done pipes, drained rather than owned
+            ready = []
+            wait_until = deadline
             for position, env in enumerate(envs):
                 handles = env._wait_handles()
-                if handles is not None and handles[1] is not None and handles[1] <= now:
-                    ready.add(position)
-        return sorted(ready)
+                if handles is None or env._has_record():
+                    ready.append(position)
+                    continue
+                fds, env_deadline = handles
+                if env_deadline is not None:
+                    if env_deadline <= now:
+                        ready.append(position)
+                        continue
+                    wait_until = (
+                        env_deadline if wait_until is None else min(wait_until, env_deadline)
+                    )
+                for fd in fds:
+                    poller.register(fd, select.POLLIN)
+                    owner[fd] = position
+                if env._shared is not None:
+                    channels[env._shared.done_read] = env._shared
+            if ready:
+                return ready
+            if has_polled and deadline is not None and now >= deadline:
+                return []
+            for fd in channels:
+                poller.register(fd, select.POLLIN)
+            timeout_ms = (
+                None if wait_until is None else max(0, math.ceil((wait_until - now) * 1000))
+            )
+            events = poller.poll(timeout_ms)
+            has_polled = True
+            for fd, _ in events:
+                if fd in channels:
+                    channels[fd].drain()  # the records are checked at the top
+                else:
+                    ready.append(owner[fd])
+            if ready:
+                return sorted(set(ready))
 
     # ----------------------------------------------------------------- internals
 
     def _wait_handles(self) -> tuple[list[int], float | None] | None:
-        """The fds that signal the in-flight call's end, and its deadline; None if none."""
+        """The fds that signal the in-flight call's end, and its deadline; None if none.
+
+        The vector's done pipe is not among them: ``_has_record`` covers it.
+        """
         if self._pending is None or self._process is None or self._conn is None:
             return None
         return [self._fd, self._process.sentinel], self._pending[2]
+
+    def _has_record(self) -> bool:
+        """Whether the DONE record of the in-flight fast request has been read already."""
+        seq, shared = self._notify_seq, self._shared
+        return bool(seq) and shared is not None and shared.done_seq[self.env_index] == seq
 
     def _set_state(self, new: EnvState) -> None:
         if new not in _TRANSITIONS[self._state]:
@@ -474,6 +499,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._poller = select.poll()
         self._poller.register(parent_conn.fileno(), select.POLLIN)
         self._poller.register(process.sentinel, select.POLLIN)
+        if self._shared is not None:
+            self._poller.register(self._shared.done_read, select.POLLIN)
         self._stderr_tail = deque(maxlen=_STDERR_TAIL_LINES)
         self._stderr_pump = threading.Thread(
             target=_pump_stderr,
@@ -513,10 +540,19 @@ class SubprocessEnv(gym.Env[Any, Any]):
         assert conn is not None
         assert shared.fd is not None
         deadline = None if self._init_timeout is None else time.monotonic() + self._init_timeout
-        # Two round trips: the worker acks the command, then we send the fd, then it acks that.
+
+        memory_fd = shared.fd
+
+        def send_fds() -> None:
+            send_handle(conn, memory_fd, self._pid)
+            send_handle(conn, shared.done_write, self._pid)
+
+        # Two round trips: the worker acks the command, then we send the fds, then it acks them.
         for send in (
-            lambda: write_message(self._fd, encode((int(Command.ATTACH), shared.layout))),
-            lambda: send_handle(conn, shared.fd, self._pid),
+            lambda: write_message(
+                self._fd, encode((int(Command.ATTACH), (shared.layout, self.env_index)))
+            ),
+            send_fds,
         ):
             try:
                 send()
@@ -535,39 +571,59 @@ class SubprocessEnv(gym.Env[Any, Any]):
         return self._shared.read(self.env_index)
 
     def _receive(self, deadline: float | None) -> Any:
-        """Wait for one reply or the worker's death, whichever comes first, up to ``deadline``."""
-        conn, process = self._conn, self._process
+        """Wait for one reply or the worker's death, whichever comes first, up to ``deadline``.
+
+        The reply to a fast request is its DONE record on the shared done pipe; every wait
+        also drains that pipe, since the records of the other envs of the vector arrive there
+        too, and they are noted for when their envs are collected.
+        """
+        conn, process, shared = self._conn, self._process, self._shared
         assert conn is not None
         assert process is not None
-        timeout_ms = (
-            None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
-        )
-        try:
-            events = self._poller.poll(timeout_ms)
-        except (OSError, ValueError):
-            events = [(process.sentinel, 0)]  # close() on another thread closed the pipe
-        if self._is_closing.is_set():
-            raise ClosedEnvironmentError(f"env {self.env_index}: closed while a call was waiting.")
-        if any(fd == self._fd for fd, _ in events):
-            assert self._reader is not None
-            try:
-                reply = self._reader.read()
-            except _PIPE_ERRORS:
-                pass
-            else:
-                return _FAST_OK_REPLY if reply == FAST_OK else decode(reply)
-        elif not events:
-            logger.warning(
-                "env %d: worker pid %d timed out; killing it", self.env_index, process.pid
+        seq = self._notify_seq
+        while True:
+            if seq and shared is not None and shared.done_seq[self.env_index] == seq:
+                shared.done_seq[self.env_index] = 0
+                if shared.done_kind[self.env_index] == DONE_OK:
+                    return _FAST_OK_REPLY
+                seq = 0  # the reply follows on our own pipe
+            timeout_ms = (
+                None
+                if deadline is None
+                else max(0, math.ceil((deadline - time.monotonic()) * 1000))
             )
-            process.kill()
-            process.join(5.0)
-            return _Death("timeout")
-        process.join(1.0)
-        if process.is_alive():
-            process.kill()
-            process.join(5.0)
-        return _Death(_describe_exit(process.exitcode))
+            try:
+                events = self._poller.poll(timeout_ms)
+            except (OSError, ValueError):
+                events = [(process.sentinel, 0)]  # close() on another thread closed the pipe
+            if self._is_closing.is_set():
+                raise ClosedEnvironmentError(
+                    f"env {self.env_index}: closed while a call was waiting."
+                )
+            fds = [fd for fd, _ in events]
+            if shared is not None and shared.done_read in fds:
+                shared.drain()
+                fds.remove(shared.done_read)
+                if not fds:
+                    continue
+            if self._fd in fds:
+                assert self._reader is not None
+                try:
+                    return decode(self._reader.read())
+                except _PIPE_ERRORS:
+                    pass
+            elif not fds:
+                logger.warning(
+                    "env %d: worker pid %d timed out; killing it", self.env_index, process.pid
+                )
+                process.kill()
+                process.join(5.0)
+                return _Death("timeout")
+            process.join(1.0)
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+            return _Death(_describe_exit(process.exitcode))
 
     def _begin(self, command: Command, payload: Any, name: str, timeout: float | None) -> None:
         if self._state is not EnvState.READY:
@@ -575,6 +631,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         if self._pending is not None:
             # A call interrupted in the parent (e.g. by KeyboardInterrupt) left a reply in flight.
             self._discard_pending()
+        self._notify_seq = 0
         # Encoded before anything is marked in flight: a payload that cannot be sent raises here.
         if command in _OBS_COMMANDS:
             message = self._obs_request(command, payload)
@@ -596,13 +653,16 @@ class SubprocessEnv(gym.Env[Any, Any]):
             return frame(encode((int(command), (*payload, None))))
         slot = 1 - int(shared.slot[self.env_index])  # never the slot the caller saw last
         self._write_slot = slot
+        seq = self._seq % 255 + 1
         if command is Command.STEP:
             action, autoreset = payload
             if shared.actions is not None:
                 shared.actions[self.env_index] = action
-                return _FAST_STEP_FRAMES[slot][autoreset]
+                self._seq = self._notify_seq = seq
+                return _STEP_HEADER + bytes((FAST_STEP, slot, autoreset, seq))
         elif payload == (None, None):
-            return _FAST_RESET_FRAMES[slot]
+            self._seq = self._notify_seq = seq
+            return _RESET_HEADER + bytes((FAST_RESET, slot, seq))
         return frame(encode((int(command), (*payload, slot))))
 
     def _finish(self) -> Any:
@@ -614,6 +674,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         command, payload, deadline = self._pending
         outcome = self._receive(deadline)
         self._pending = None
+        self._notify_seq = 0  # a late record of this request must not answer a later one
         if isinstance(outcome, _Death):
             return self._recover(command, payload, outcome.cause)
         status, result = outcome

@@ -29,7 +29,8 @@ import gymnasium as gym
 import numpy as np
 
 from multienv.protocol import (
-    FAST_OK_FRAME,
+    DONE_OK,
+    DONE_REPLY,
     FAST_RESET,
     FAST_STEP,
     Command,
@@ -121,7 +122,9 @@ def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None, env_index
 
     Until the parent sends ATTACH, observations travel in the replies. After it, a request
     with a slot writes them into that slot of shared memory, and the reply carries only what
-    does not fit there: the info dict when it is not empty, and a final observation.
+    does not fit there: the info dict when it is not empty, and a final observation. A fast
+    request is answered with a DONE record on the shared done pipe, written before any reply
+    on our own pipe, so the parent never waits on our pipe for a reply that is not coming.
     """
     writer: SlotWriter | None = None
 
@@ -161,11 +164,13 @@ def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None, env_index
     def set_attr(payload: tuple[str, Any]) -> None:
         env.set_wrapper_attr(*payload)
 
-    def attach(layout: BatchLayout) -> None:
-        # The parent sends the fd only after this ack, so no read of ours can swallow it.
+    def attach(payload: tuple[BatchLayout, int]) -> None:
+        # The parent sends the fds only after this ack, so no read of ours can swallow them.
         nonlocal writer
+        layout, slot_index = payload  # our position in the vector, which may be renumbered
         write_message(fd, encode((ok, None)))
-        writer = SlotWriter(layout, recv_handle(conn), env_index)
+        memory_fd = recv_handle(conn)
+        writer = SlotWriter(layout, memory_fd, recv_handle(conn), slot_index)
 
     def fast_step(request: bytes) -> Any:
         assert writer is not None
@@ -192,14 +197,18 @@ def _serve(conn: Connection, env: gym.Env, check_obs: ObsCheck | None, env_index
         fast = fast_handlers.get(request[0])
         if fast is not None:
             command, handler = fast
+            assert writer is not None
+            seq = request[-1]
             try:
                 result = handler(request)
             except Exception as exc:  # noqa: BLE001 - env errors go back to the parent as EnvError
+                writer.notify(seq, DONE_REPLY)
                 write_message(fd, encode((error, _failure(exc))))
                 continue
             if result is None:
-                os.write(fd, FAST_OK_FRAME)
+                writer.notify(seq, DONE_OK)
                 continue
+            writer.notify(seq, DONE_REPLY)
         else:
             command, payload = decode(request)
             if command == Command.CLOSE:

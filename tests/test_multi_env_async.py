@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from gymnasium.vector import SyncVectorEnv
 
-from multienv import EnvStateError, MultiEnv
+from multienv import EnvStateError, MultiEnv, create_subprocess_envs
+from multienv.protocol import DONE_OK, DONE_RECORD
 from tests.envs import CountingEnv, SleepyEnv, TextObsEnv
 
 pytestmark = pytest.mark.timeout(60)
@@ -185,3 +186,32 @@ def test_step_timeout_in_flight_kills_the_hung_worker_and_recv_returns_a_truncat
         assert rewards.tolist() == [0.0]
         assert infos["multienv"]["cause"].tolist() == ["timeout"]
         assert envs.envs[0].pid != hung_pid
+
+
+def test_proxies_adopted_in_another_order_write_the_slots_of_their_new_positions():
+    proxies = create_subprocess_envs([CountingEnv] * 3)
+    try:
+        for k, proxy in enumerate(proxies):
+            proxy.set_attr("scale", float(k + 1))
+        with MultiEnv([proxies[2], proxies[0]]) as envs:  # renumbered as envs 0 and 1
+            envs.reset(seed=0)
+            _, rewards, *_ = envs.step(np.ones(2, dtype=np.int64))
+            assert rewards.tolist() == [3.0, 1.0]
+    finally:
+        for proxy in proxies:
+            proxy.close()
+
+
+def test_a_late_done_record_does_not_answer_the_next_request():
+    with MultiEnv([functools.partial(SleepyEnv, 0.3)] * 2) as envs:
+        envs.reset(seed=0)
+        envs.step(np.ones(2, dtype=np.int64))
+        shared, proxy = envs._shared, envs.envs[0]
+        stale_seq = proxy._seq  # the request just answered, as a killed worker would leave it
+        envs.send(np.ones(2, dtype=np.int64))
+        os.write(shared.done_write, DONE_RECORD.pack(0, stale_seq, DONE_OK))
+        began = time.monotonic()
+        obs, *_, infos = envs.recv(batch_size=1)
+        assert time.monotonic() - began > 0.2  # not answered at once by the stale record
+        assert obs[:, 0].tolist() == [2.0]  # the second step's observation
+        envs.recv()
