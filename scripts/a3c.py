@@ -33,6 +33,7 @@ from a2c import (
     Args,
     Chaos,
     Recorder,
+    anneal,
     collect_rollout,
     make_env,
     make_out_dir,
@@ -75,6 +76,7 @@ def learner(
         )
         actor_grads, critic_grads, step_losses = rollout_gradients(actor, critic, rollout, args)
         with update_lock:
+            anneal(args, recorder.env_steps, optimizers)
             optimizers[0].step(actor_grads)
             optimizers[1].step(critic_grads)
             losses.update(step_losses)

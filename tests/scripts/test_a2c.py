@@ -78,6 +78,19 @@ def check_outputs(out_dir, expect_png=True):
     assert (out_dir / "curve.png").exists() == expect_png
 
 
+def test_command_line_flags_follow_the_args_fields_and_their_comments(capsys):
+    a3c = load("a3c")
+    args = a3c.parse_args(
+        ["--no-anneal-lr", "--learners", "3", "--gamma", "0.9"], a3c.A3CArgs, a3c.__doc__
+    )
+    assert (args.anneal_lr, args.learners, args.gamma) == (False, 3, 0.9)
+    with pytest.raises(SystemExit):
+        a3c.parse_args(["--help"], a3c.A3CArgs, a3c.__doc__)
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "discount factor (default: 0.99)" in help_text  # a2c.Args field
+    assert "learner threads, each with its own envs (default: 4)" in help_text  # A3CArgs
+
+
 def test_a2c_main_runs_and_writes_outputs(tmp_path, capsys):
     code = a2c.main(a2c.Args(total_steps=256, num_envs=2, out_dir=str(tmp_path)))
     assert code == 1  # a tiny budget cannot solve CartPole
