@@ -53,6 +53,7 @@ from multienv.errors import (
     EnvError,
     EnvStateError,
 )
+from multienv.forkserver import forkserver_context
 from multienv.protocol import (
     DONE_OK,
     FAST_RESET,
@@ -77,9 +78,6 @@ logger = logging.getLogger(__name__)
 
 EnvFn = Callable[[], gym.Env[Any, Any]]
 _PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
-# "__main__" too, as multiprocessing does by default: otherwise every worker re-imports the
-# user's script on start.
-_FORKSERVER_PRELOAD = ["__main__", "numpy", "gymnasium", "cloudpickle", "multienv.worker"]
 _STDERR_TAIL_LINES = 30
 _FAST_OK_REPLY = (Status.OK, None)
 _STEP_HEADER = frame(bytes(4))[:-4]  # the length prefix of a four-byte fast step
@@ -121,17 +119,17 @@ def resolve_context(context: BaseContext | str | None) -> BaseContext:
 
     Args:
         context: A context, a start-method name, or None for the default: ``forkserver`` on
-            Linux (with numpy and gymnasium preloaded, so a respawn is a cheap fork) and
+            Linux (with numpy, gymnasium and the user's script preloaded, so a respawn is a
+            cheap fork; see ``multienv.forkserver``) and
             ``spawn`` elsewhere. ``fork`` is available on request; forking a parent whose
             threads hold locks can deadlock the child.
     """
     if isinstance(context, BaseContext):
         return context
     name = context or ("forkserver" if sys.platform.startswith("linux") else "spawn")
-    ctx = multiprocessing.get_context(name)
     if name == "forkserver":
-        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # type: ignore[attr-defined]
-    return ctx
+        return forkserver_context()
+    return multiprocessing.get_context(name)
 
 
 class SubprocessEnv(gym.Env[Any, Any]):

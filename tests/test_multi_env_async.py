@@ -211,7 +211,7 @@ def test_a_late_done_record_does_not_answer_the_next_request():
         envs.send(np.ones(2, dtype=np.int64))
         os.write(shared.done_write, DONE_RECORD.pack(0, stale_seq, DONE_OK))
         began = time.monotonic()
-        obs, *_, infos = envs.recv(batch_size=1)
+        obs, *_ = envs.recv(batch_size=1)
         assert time.monotonic() - began > 0.2  # not answered at once by the stale record
         assert obs[:, 0].tolist() == [2.0]  # the second step's observation
         envs.recv()

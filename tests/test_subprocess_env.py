@@ -1,3 +1,8 @@
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -196,3 +201,37 @@ def test_observation_round_trips_exactly(env):
     env.reset()
     obs = env.step(1)[0]
     assert obs.dtype == np.float32
+
+
+@pytest.mark.timeout(60)
+def test_the_users_script_is_imported_once_in_the_forkserver_not_in_every_worker(tmp_path):
+    marker = tmp_path / "imports.txt"
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, signal
+            import numpy as np
+            with open({str(marker)!r}, "a") as f:  # a top-level side effect, like `import torch`
+                f.write(f"{{os.getpid()}}\\n")
+
+            if __name__ == "__main__":
+                from multienv import MultiEnv
+                from tests.envs import CountingEnv
+                with MultiEnv([CountingEnv] * 3) as envs:
+                    envs.reset(seed=0)
+                    os.kill(envs.envs[1].pid, signal.SIGKILL)
+                    envs.step(np.zeros(3, dtype=np.int64))  # respawns env 1
+                    assert envs.envs[1].restarts == 1
+            """
+        )
+    )
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, str(script)],
+        check=True,
+        timeout=50,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    # The script itself, then the forkserver; before, each of the 4 workers imported it again.
+    assert len(marker.read_text().split()) == 2

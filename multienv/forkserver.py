@@ -1,0 +1,68 @@
+"""PARENT AND FORKSERVER: the forkserver that workers fork from, with the user's script in it.
+
+Workers start from multiprocessing's forkserver, which imports numpy, gymnasium and our
+worker module once, so a worker or a respawn is a cheap fork. It should also import the
+user's main script (``"__main__"`` in the preload list), but on CPython before 3.13.8 and
+3.14.1 it never does (gh-126631): the path it needs is passed under a key that was renamed
+long ago. Every worker then runs the script's top level again, with all its imports. A
+script that imports torch costs each worker about 150 MiB of private memory that way.
+
+So the parent passes the script's path in an environment variable while the forkserver
+starts, and this module, preloaded last, imports the script there as ``__mp_main__``, the
+way multiprocessing would. Workers find it already imported and skip it. Scripts run with
+``python -m`` are imported by name and are left as multiprocessing handles them.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+from multiprocessing import forkserver, process, spawn
+from multiprocessing.context import BaseContext
+
+logger = logging.getLogger(__name__)
+
+MAIN_PATH_VARIABLE = "MULTIENV_FORKSERVER_MAIN_PATH"
+PRELOAD = ["__main__", "numpy", "gymnasium", "cloudpickle", "multienv.worker", __name__]
+_lock = threading.Lock()
+_started_in_pid: int | None = None
+
+
+def forkserver_context() -> BaseContext:
+    """The forkserver context, with its server started (once per process) and preloaded."""
+    global _started_in_pid  # noqa: PLW0603 - one forkserver per process, so one flag
+    ctx = multiprocessing.get_context("forkserver")
+    with _lock:
+        if _started_in_pid == os.getpid():
+            return ctx
+        ctx.set_forkserver_preload(PRELOAD)  # type: ignore[attr-defined]
+        main_path = spawn.get_preparation_data("ignore").get("init_main_from_path")
+        if main_path is not None:
+            os.environ[MAIN_PATH_VARIABLE] = main_path
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.pop(MAIN_PATH_VARIABLE, None)
+        _started_in_pid = os.getpid()
+    return ctx
+
+
+def _import_main_here() -> None:
+    """In the forkserver: import the user's script as multiprocessing meant to."""
+    main_path = os.environ.pop(MAIN_PATH_VARIABLE, None)
+    if main_path is None or getattr(sys.modules["__main__"], "__file__", None) == main_path:
+        return  # not the forkserver, or a Python that preloaded the script itself
+    current = process.current_process()
+    current._inheriting = True  # type: ignore[attr-defined]
+    try:
+        spawn.import_main_path(main_path)
+    except BaseException:  # noqa: BLE001 - each worker then imports it and reports the error
+        logger.debug("forkserver: importing %s failed; workers will import it", main_path)
+    finally:
+        del current._inheriting  # type: ignore[attr-defined]
+
+
+_import_main_here()
