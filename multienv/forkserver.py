@@ -9,8 +9,10 @@ script that imports torch costs each worker about 150 MiB of private memory that
 
 So the parent passes the script's path in an environment variable while the forkserver
 starts, and this module, preloaded last, imports the script there as ``__mp_main__``, the
-way multiprocessing would. Workers find it already imported and skip it. Scripts run with
-``python -m`` are imported by name and are left as multiprocessing handles them.
+way multiprocessing would. Workers find it already imported and skip it. A script read from
+stdin has no file to import; workers used to fail trying, and now skip it too (its env
+factories travel by value with cloudpickle anyway). Scripts run with ``python -m`` are
+imported by name and are left as multiprocessing handles them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import types
 from multiprocessing import forkserver, process, spawn
 from multiprocessing.context import BaseContext
 
@@ -55,6 +58,12 @@ def _import_main_here() -> None:
     main_path = os.environ.pop(MAIN_PATH_VARIABLE, None)
     if main_path is None or getattr(sys.modules["__main__"], "__file__", None) == main_path:
         return  # not the forkserver, or a Python that preloaded the script itself
+    if not os.path.isfile(main_path):  # e.g. "<stdin>": nothing to import, and workers fail
+        # trying to; a stand-in with the same __file__ tells them it is imported already.
+        stand_in = types.ModuleType("__mp_main__")
+        stand_in.__file__ = main_path
+        sys.modules["__main__"] = sys.modules["__mp_main__"] = stand_in
+        return
     current = process.current_process()
     current._inheriting = True  # type: ignore[attr-defined]
     try:

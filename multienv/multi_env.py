@@ -353,10 +353,14 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         """Close every env in parallel, each bounded by ``timeout`` seconds."""
         if "envs" not in self.__dict__:
             return
-        with ThreadPoolExecutor(
-            max_workers=self.num_envs, thread_name_prefix="multienv-close"
-        ) as pool:
-            list(pool.map(lambda proxy: proxy.close(timeout=timeout), self.envs))
+        try:
+            with ThreadPoolExecutor(
+                max_workers=self.num_envs, thread_name_prefix="multienv-close"
+            ) as pool:
+                list(pool.map(lambda proxy: proxy.close(timeout=timeout), self.envs))
+        except RuntimeError:  # the interpreter is shutting down and starts no threads
+            for proxy in self.envs:
+                proxy.close(timeout=timeout)
         if self._shared is not None:
             self._shared.close()
         if self._pending is not None:

@@ -235,3 +235,29 @@ def test_the_users_script_is_imported_once_in_the_forkserver_not_in_every_worker
     )
     # The script itself, then the forkserver; before, each of the 4 workers imported it again.
     assert len(marker.read_text().split()) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_script_read_from_stdin_can_start_workers():
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        from multienv import MultiEnv
+        from tests.envs import CountingEnv
+        with MultiEnv([lambda: CountingEnv(episode_length=3)] * 2) as envs:
+            envs.reset(seed=0)
+            print(envs.step(np.ones(2, dtype=np.int64))[0].ravel().tolist())
+        """
+    )
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[1.0, 1.0]"
