@@ -44,7 +44,7 @@ from multienv import MultiEnv, RestartPolicy
 class Args:
     env_id: str = "CartPole-v1"  # Gymnasium id with a Box observation and Discrete action space
     num_envs: int = 8  # parallel envs, one worker process each
-    n_steps: int = 16  # steps per env between updates (the n of n-step returns)
+    n_steps: int = 32  # steps per env between updates (the n of n-step returns)
     total_steps: int = 600_000  # budget of env steps (all envs together)
     gamma: float = 0.99  # discount factor
     learning_rate: float = 1e-3  # Adam step size, for both networks
@@ -442,8 +442,8 @@ def anneal(args: Args, env_steps: int, optimizers: tuple[Adam, ...]) -> None:
     """Decay the step size linearly to 0 over the budget, when ``args.anneal_lr`` is set.
 
     A fixed step size lets A2C collapse and recover again and again near the target; the
-    decay lets it settle (with ``--chaos-kill-every 200``, one seed in three did not solve
-    without it).
+    decay, with 32-step rollouts, lets it settle. With ``--chaos-kill-every 200`` a fixed
+    step size and 16-step rollouts solved 2 seeds of 3, the decay alone 2 of 3, both 3 of 3.
     """
     if args.anneal_lr:
         lr = args.learning_rate * max(0.0, 1.0 - env_steps / args.total_steps)
