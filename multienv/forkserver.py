@@ -4,8 +4,9 @@ Workers start from multiprocessing's forkserver, which imports numpy, gymnasium 
 worker module once, so a worker or a respawn is a cheap fork. It should also import the
 user's main script (``"__main__"`` in the preload list), but on CPython 3.11 and 3.12 it
 never does (gh-126631, fixed only in later 3.13 and 3.14 releases): the path it needs is
-passed under a key that was renamed long ago. Every worker then runs the script's top level again, with all its imports. A
-script that imports torch costs each worker about 150 MiB of private memory that way.
+passed under a key that was renamed long ago. Every worker then runs the script's top level
+again, with all its imports. A script that imports torch costs each worker about 150 MiB of
+private memory that way.
 
 So the parent passes the script's path in an environment variable while the forkserver
 starts, and this module, preloaded last, imports the script there as ``__mp_main__``, the

@@ -161,7 +161,10 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             hasattr(proxy, "attach") for proxy in proxies
         ):
             self._shared = SharedBatch(
-                self.single_observation_space, self.single_action_space, self.num_envs
+                self.single_observation_space,
+                self.single_action_space,
+                self.num_envs,
+                groups=self._slices,  # one done pipe per collecting thread
             )
             try:
                 self._map(lambda i: proxies[i].attach(self._shared))

@@ -13,9 +13,11 @@ The file has no name, so nothing is left in ``/dev/shm`` whatever kills the pare
 travels to each worker over the pipe (``multiprocessing.reduction.send_handle``), again after
 every respawn, and the memory goes when the last mapping of it does.
 
-Beside the file, a vector has one "done" pipe that every worker writes a short record to
-when it has finished a fast request (``protocol.DONE_RECORD``). The parent reads all the
-records that are in with one read and notes them per env (``SharedBatch.drain``).
+Beside the file, each group of envs that one parent thread collects has a "done" pipe that
+its workers write a short record to when they finish a fast request
+(``protocol.DONE_RECORD``). The parent reads all the records that are in with one read and
+notes them per env (``SharedBatch.drain``). One pipe per thread, because a thread that read
+another thread's record would leave that thread asleep.
 
 Fixed-shape spaces only: Box, Discrete, MultiBinary, MultiDiscrete, and Dict/Tuple of them.
 Other spaces are pickled through the pipe as before (``BatchLayout.supports``).
@@ -160,10 +162,15 @@ class SharedBatch:
         observation_space: The single-env observation space; see ``BatchLayout.supports``.
         action_space: The single-env action space.
         num_envs: How many envs the vector has.
+        groups: The envs each parent thread collects, one done pipe each; default one group.
     """
 
     def __init__(
-        self, observation_space: gym.Space[Any], action_space: gym.Space[Any], num_envs: int
+        self,
+        observation_space: gym.Space[Any],
+        action_space: gym.Space[Any],
+        num_envs: int,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Allocate the memory file and map it."""
         self.layout = BatchLayout(observation_space, action_space, num_envs)
@@ -171,18 +178,32 @@ class SharedBatch:
         os.ftruncate(self.fd, self.layout.size)
         self._mapping = _Mapping(self.layout, self.fd)
         self.slot = np.zeros(num_envs, dtype=np.int8)  # the slot holding each env's last obs
-        self.done_read, self.done_write = os.pipe()
-        os.set_blocking(self.done_read, False)
+        self._done_pipes: list[tuple[int, int]] = []
+        self._done_pipe_of = [(-1, -1)] * num_envs
+        for group in groups if groups is not None else [range(num_envs)]:
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(read_fd, False)
+            self._done_pipes.append((read_fd, write_fd))
+            for env_index in group:
+                self._done_pipe_of[env_index] = (read_fd, write_fd)
         # Per env: the seq and kind of the last DONE record read (seq 0: none since taken).
         self.done_seq = [0] * num_envs
         self.done_kind = [0] * num_envs
 
-    def drain(self) -> None:
-        """Read every DONE record that is in and note it under its env; never blocks."""
+    def done_read(self, env_index: int) -> int:
+        """The read end of the done pipe of that env's group."""
+        return self._done_pipe_of[env_index][0]
+
+    def done_write(self, env_index: int) -> int:
+        """The write end of the done pipe of that env's group, for its worker."""
+        return self._done_pipe_of[env_index][1]
+
+    def drain(self, read_fd: int) -> None:
+        """Read every DONE record that is in that pipe and note it under its env; never blocks."""
         done_seq, done_kind = self.done_seq, self.done_kind
         while True:
             try:
-                data = os.read(self.done_read, 65536)
+                data = os.read(read_fd, 65536)
             except BlockingIOError:
                 return
             for env_index, seq, kind in DONE_RECORD.iter_unpack(data):
@@ -240,8 +261,9 @@ class SharedBatch:
         self._mapping.release()
         if self.fd is not None:
             os.close(self.fd)
-            os.close(self.done_read)
-            os.close(self.done_write)
+            for read_fd, write_fd in self._done_pipes:
+                os.close(read_fd)
+                os.close(write_fd)
             self.fd = None
 
 

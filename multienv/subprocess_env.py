@@ -208,6 +208,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._last_obs: Any = None
         self._shared: SharedBatch | None = None  # set by attach(); then obs travel through it
         self._write_slot: int | None = None  # the shared slot the in-flight call writes into
+        self._done_read = -1  # set by attach(): our group's done pipe
         self._seq = 0  # of the last fast request, 1 to 255
         self._notify_seq = 0  # the in-flight fast request's seq; 0 when its reply is a message
         self._restart_times: list[float] = []
@@ -314,7 +315,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
         """
         self._require(EnvState.READY, "attach")
         self._shared = shared
-        self._poller.register(shared.done_read, select.POLLIN)
+        self._done_read = shared.done_read(self.env_index)
+        self._poller.register(self._done_read, select.POLLIN)
         cause = self._attach_worker()
         if cause is not None:
             self._respawn(cause)
@@ -399,7 +401,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
                     poller.register(fd, select.POLLIN)
                     owner[fd] = position
                 if env._shared is not None:
-                    channels[env._shared.done_read] = env._shared
+                    channels[env._done_read] = env._shared
             if ready:
                 return ready
             if has_polled and deadline is not None and now >= deadline:
@@ -413,7 +415,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
             has_polled = True
             for fd, _ in events:
                 if fd in channels:
-                    channels[fd].drain()  # the records are checked at the top
+                    channels[fd].drain(fd)  # the records are checked at the top
                 else:
                     ready.append(owner[fd])
             if ready:
@@ -498,7 +500,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._poller.register(parent_conn.fileno(), select.POLLIN)
         self._poller.register(process.sentinel, select.POLLIN)
         if self._shared is not None:
-            self._poller.register(self._shared.done_read, select.POLLIN)
+            self._poller.register(self._done_read, select.POLLIN)
         self._stderr_tail = deque(maxlen=_STDERR_TAIL_LINES)
         self._stderr_pump = threading.Thread(
             target=_pump_stderr,
@@ -543,7 +545,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
 
         def send_fds() -> None:
             send_handle(conn, memory_fd, self._pid)
-            send_handle(conn, shared.done_write, self._pid)
+            send_handle(conn, shared.done_write(self.env_index), self._pid)
 
         # Two round trips: the worker acks the command, then we send the fds, then it acks them.
         for send in (
@@ -599,9 +601,9 @@ class SubprocessEnv(gym.Env[Any, Any]):
                     f"env {self.env_index}: closed while a call was waiting."
                 )
             fds = [fd for fd, _ in events]
-            if shared is not None and shared.done_read in fds:
-                shared.drain()
-                fds.remove(shared.done_read)
+            if shared is not None and self._done_read in fds:
+                shared.drain(self._done_read)
+                fds.remove(self._done_read)
                 if not fds:
                     continue
             if self._fd in fds:

@@ -209,9 +209,22 @@ def test_a_late_done_record_does_not_answer_the_next_request():
         shared, proxy = envs._shared, envs.envs[0]
         stale_seq = proxy._seq  # the request just answered, as a killed worker would leave it
         envs.send(np.ones(2, dtype=np.int64))
-        os.write(shared.done_write, DONE_RECORD.pack(0, stale_seq, DONE_OK))
+        os.write(shared.done_write(0), DONE_RECORD.pack(0, stale_seq, DONE_OK))
         began = time.monotonic()
         obs, *_ = envs.recv(batch_size=1)
         assert time.monotonic() - began > 0.2  # not answered at once by the stale record
         assert obs[:, 0].tolist() == [2.0]  # the second step's observation
         envs.recv()
+
+
+def test_several_collecting_threads_each_get_their_own_done_records():
+    # With one done pipe for all, a thread could read the record another thread waits for
+    # and leave it asleep. CartPole's info is empty, so the record is the whole reply.
+    fns = [functools.partial(gym.make, "CartPole-v1")] * 6
+    expected = SyncVectorEnv(fns)
+    with MultiEnv(fns, num_threads=3) as envs:
+        assert np.array_equal(envs.reset(seed=0)[0], expected.reset(seed=0)[0])
+        for _ in range(300):
+            actions = np.ones(6, dtype=np.int64)
+            assert np.array_equal(envs.step(actions)[0], expected.step(actions)[0])
+    expected.close()
