@@ -2,7 +2,7 @@
 
 Every request is a tuple ``(int(Command), payload)``; every reply is a tuple
 ``(int(Status), payload)``, except on the shared-memory fast path below, where a step is a
-four-byte request and a four-byte record on the vector's shared "done" pipe. Each message
+four-byte request and a four-byte record on a shared "done" pipe. Each message
 is framed with a 4-byte length
 (``write_message`` / ``MessageReader``, straight on the socket's fd, so a small message costs
 one system call each way) and pickled with plain ``pickle`` (``encode``/``decode``):
@@ -40,9 +40,9 @@ class Command(enum.IntEnum):
 # Shared-memory fast path. A request whose first byte is below 0x80 is one of these raw
 # messages, not a pickle (every pickle of protocol 2 or later starts with 0x80). Its
 # observation, reward and flags travel in shared memory. The worker does not answer on its
-# own pipe but writes a DONE record to the done pipe that all workers of a vector share, so
-# the parent collects many replies with one read. ``seq`` (1 to 255) tells a late record of
-# a killed worker from the answer to the current request.
+# own pipe but writes a DONE record to a done pipe it shares with the other envs that one
+# parent thread collects, so that thread collects many replies with one read. ``seq`` (1 to
+# 255) tells a late record of a killed worker from the answer to the current request.
 FAST_STEP = 0x01  # bytes([FAST_STEP, slot, autoreset, seq]); the action is in shared memory
 FAST_RESET = 0x02  # bytes([FAST_RESET, slot, seq]); a reset with no seed and no options
 DONE_RECORD = struct.Struct("<HBB")  # env_index, seq, DONE_OK or DONE_REPLY; atomic in a pipe
