@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 import threading
 import time
@@ -314,3 +315,25 @@ class TextObsEnv(gym.Env):
     def step(self, action):
         self.t += 1
         return "ab"[action] * (self.t % 8 + 1), 1.0, self.t >= 5, False, {}
+
+
+class _KillOnPickle:
+    """SIGKILLs the process that pickles it: the worker, while it encodes a reply."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KilledAfterItsDoneRecord(CountingEnv):
+    """On step ``at_count`` of the first worker there (marker file), the info cannot be sent:
+    the worker has written its DONE record (a reply follows) and dies encoding the reply."""
+
+    def __init__(self, marker: str, at_count: int = 3) -> None:
+        super().__init__(episode_length=10)
+        self.marker, self.at_count = marker, at_count
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.count == self.at_count and _crash_once(self.marker):
+            info["bomb"] = _KillOnPickle()
+        return obs, reward, terminated, truncated, info

@@ -12,7 +12,7 @@ from gymnasium.vector import SyncVectorEnv
 
 from multienv import EnvStateError, MultiEnv, create_subprocess_envs
 from multienv.protocol import DONE_OK, DONE_RECORD
-from tests.envs import CountingEnv, SleepyEnv, TextObsEnv
+from tests.envs import CountingEnv, KilledAfterItsDoneRecord, SleepyEnv, TextObsEnv
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -228,3 +228,20 @@ def test_several_collecting_threads_each_get_their_own_done_records():
             actions = np.ones(6, dtype=np.int64)
             assert np.array_equal(envs.step(actions)[0], expected.step(actions)[0])
     expected.close()
+
+
+def test_worker_killed_between_its_done_record_and_its_reply_comes_back_as_a_truncation(
+    tmp_path,
+):
+    fn = functools.partial(KilledAfterItsDoneRecord, str(tmp_path / "killed"), at_count=3)
+    with MultiEnv([CountingEnv, fn]) as envs:
+        envs.reset(seed=0)
+        for _ in range(2):
+            envs.step(np.ones(2, dtype=np.int64))
+        obs, rewards, _, truncations, infos = envs.step(np.ones(2, dtype=np.int64))
+        assert truncations.tolist() == [False, True]
+        assert infos["multienv"]["cause"][1] == "SIGKILL"
+        assert obs[:, 0].tolist() == [3.0, 2.0]  # env 1 keeps the observation seen last
+        assert rewards.tolist() == [1.0, 0.0]
+        obs, *_ = envs.step(np.ones(2, dtype=np.int64))  # NextStep: env 1 resets
+        assert obs[:, 0].tolist() == [4.0, 0.0]
