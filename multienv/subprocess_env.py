@@ -79,7 +79,7 @@ logger = logging.getLogger(__name__)
 EnvFn = Callable[[], gym.Env[Any, Any]]
 _PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
 _STDERR_TAIL_LINES = 30
-_FAST_OK_REPLY = (Status.OK, None)
+_DONE_OK_REPLY = (Status.OK, None)  # what a DONE_OK record stands for
 _STEP_HEADER = frame(bytes(4))[:-4]  # the length prefix of a four-byte fast step
 _RESET_HEADER = frame(bytes(3))[:-3]
 _OBS_COMMANDS = (Command.STEP, Command.RESET)
@@ -408,10 +408,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
                 return []
             for fd in channels:
                 poller.register(fd, select.POLLIN)
-            timeout_ms = (
-                None if wait_until is None else max(0, math.ceil((wait_until - now) * 1000))
-            )
-            events = poller.poll(timeout_ms)
+            events = poller.poll(_poll_ms(wait_until, now))
             has_polled = True
             for fd, _ in events:
                 if fd in channels:
@@ -577,23 +574,17 @@ class SubprocessEnv(gym.Env[Any, Any]):
         also drains that pipe, since the records of the other envs of the vector arrive there
         too, and they are noted for when their envs are collected.
         """
-        conn, process, shared = self._conn, self._process, self._shared
-        assert conn is not None
+        process, shared = self._process, self._shared
         assert process is not None
         seq = self._notify_seq
         while True:
             if seq and shared is not None and shared.done_seq[self.env_index] == seq:
                 shared.done_seq[self.env_index] = 0
                 if shared.done_kind[self.env_index] == DONE_OK:
-                    return _FAST_OK_REPLY
+                    return _DONE_OK_REPLY
                 seq = 0  # the reply follows on our own pipe
-            timeout_ms = (
-                None
-                if deadline is None
-                else max(0, math.ceil((deadline - time.monotonic()) * 1000))
-            )
             try:
-                events = self._poller.poll(timeout_ms)
+                events = self._poller.poll(_poll_ms(deadline, time.monotonic()))
             except (OSError, ValueError):
                 events = [(process.sentinel, 0)]  # close() on another thread closed the pipe
             if self._is_closing.is_set():
@@ -847,6 +838,11 @@ class SubprocessEnv(gym.Env[Any, Any]):
                 process.join(5.0)
         finally:
             self._release_pipes()
+
+
+def _poll_ms(deadline: float | None, now: float) -> int | None:
+    """The ``poll()`` timeout that ends at ``deadline`` (monotonic seconds); None waits forever."""
+    return None if deadline is None else max(0, math.ceil((deadline - now) * 1000))
 
 
 def _describe_exit(exitcode: int | None) -> str:
