@@ -9,28 +9,32 @@ again, with all its imports. A script that imports torch costs each worker about
 private memory that way.
 
 So the parent passes the script's path in an environment variable while the forkserver
-starts, and this module, preloaded last, imports the script there as ``__mp_main__``, the
-way multiprocessing would. Workers find it already imported and skip it. A script read from
-stdin has no file to import; workers used to fail trying, and now skip it too (its env
-factories travel by value with cloudpickle anyway). Scripts run with ``python -m`` are
-imported by name and are left as multiprocessing handles them.
+starts, and ``multienv.forkserver_preload``, preloaded last, imports the script there as
+``__mp_main__``, the way multiprocessing would. Workers find it already imported and skip
+it. A script read from stdin has no file to import; workers used to fail trying, and now
+skip it too (its env factories travel by value with cloudpickle anyway). Scripts run with
+``python -m`` are imported by name and are left as multiprocessing handles them.
 """
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
-import sys
 import threading
-import types
-from multiprocessing import forkserver, process, spawn
+from multiprocessing import forkserver, spawn
 from multiprocessing.context import BaseContext
 
-logger = logging.getLogger(__name__)
-
 MAIN_PATH_VARIABLE = "MULTIENV_FORKSERVER_MAIN_PATH"
-PRELOAD = ["__main__", "numpy", "gymnasium", "cloudpickle", "multienv.worker", __name__]
+# The last one imports the script; multienv must be fully imported by then, since the
+# script imports it too (a module of the multienv package would run mid-import).
+PRELOAD = [
+    "__main__",
+    "numpy",
+    "gymnasium",
+    "cloudpickle",
+    "multienv.worker",
+    "multienv.forkserver_preload",
+]
 _lock = threading.Lock()
 _started_in_pid: int | None = None
 
@@ -52,27 +56,3 @@ def forkserver_context() -> BaseContext:
             os.environ.pop(MAIN_PATH_VARIABLE, None)
         _started_in_pid = os.getpid()
     return ctx
-
-
-def _import_main_here() -> None:
-    """In the forkserver: import the user's script as multiprocessing meant to."""
-    main_path = os.environ.pop(MAIN_PATH_VARIABLE, None)
-    if main_path is None or getattr(sys.modules["__main__"], "__file__", None) == main_path:
-        return  # not the forkserver, or a Python that preloaded the script itself
-    if not os.path.isfile(main_path):  # e.g. "<stdin>": nothing to import, and workers fail
-        # trying to; a stand-in with the same __file__ tells them it is imported already.
-        stand_in = types.ModuleType("__mp_main__")
-        stand_in.__file__ = main_path
-        sys.modules["__main__"] = sys.modules["__mp_main__"] = stand_in
-        return
-    current = process.current_process()
-    current._inheriting = True  # type: ignore[attr-defined]
-    try:
-        spawn.import_main_path(main_path)
-    except BaseException:  # noqa: BLE001 - each worker then imports it and reports the error
-        logger.debug("forkserver: importing %s failed; workers will import it", main_path)
-    finally:
-        del current._inheriting  # type: ignore[attr-defined]
-
-
-_import_main_here()

@@ -212,12 +212,12 @@ def test_the_users_script_is_imported_once_in_the_forkserver_not_in_every_worker
             f"""
             import os, signal
             import numpy as np
+            from multienv import MultiEnv  # at the top, as scripts do: imported in mid-preload
+            from tests.envs import CountingEnv
             with open({str(marker)!r}, "a") as f:  # a top-level side effect, like `import torch`
                 f.write(f"{{os.getpid()}}\\n")
 
             if __name__ == "__main__":
-                from multienv import MultiEnv
-                from tests.envs import CountingEnv
                 with MultiEnv([CountingEnv] * 3) as envs:
                     envs.reset(seed=0)
                     os.kill(envs.envs[1].pid, signal.SIGKILL)

@@ -1,0 +1,44 @@
+"""FORKSERVER ONLY: preloaded last by the forkserver; imports the user's script there.
+
+``multienv.forkserver`` explains why the script must be imported by hand on CPython 3.11
+and 3.12. It has to happen in a module of its own, preloaded after ``multienv.worker``:
+the script imports multienv, and while the multienv package is still being imported (as
+it is while any of its own modules runs at import time) that import fails, so each worker
+would import the script again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import types
+from multiprocessing import process, spawn
+
+from multienv.forkserver import MAIN_PATH_VARIABLE
+
+logger = logging.getLogger(__name__)
+
+
+def import_main_here() -> None:
+    """In the forkserver: import the user's script as multiprocessing meant to."""
+    main_path = os.environ.pop(MAIN_PATH_VARIABLE, None)
+    if main_path is None or getattr(sys.modules["__main__"], "__file__", None) == main_path:
+        return  # not the forkserver, or a Python that preloaded the script itself
+    if not os.path.isfile(main_path):  # e.g. "<stdin>": nothing to import, and workers fail
+        # trying to; a stand-in with the same __file__ tells them it is imported already.
+        stand_in = types.ModuleType("__mp_main__")
+        stand_in.__file__ = main_path
+        sys.modules["__main__"] = sys.modules["__mp_main__"] = stand_in
+        return
+    current = process.current_process()
+    current._inheriting = True  # type: ignore[attr-defined]
+    try:
+        spawn.import_main_path(main_path)
+    except BaseException:  # noqa: BLE001 - each worker then imports it and reports the error
+        logger.debug("forkserver: importing %s failed; workers will import it", main_path)
+    finally:
+        del current._inheriting  # type: ignore[attr-defined]
+
+
+import_main_here()
