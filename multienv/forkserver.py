@@ -26,7 +26,7 @@ from multiprocessing.context import BaseContext
 
 MAIN_PATH_VARIABLE = "MULTIENV_FORKSERVER_MAIN_PATH"
 # The last one imports the script; multienv must be fully imported by then, since the
-# script imports it too (a module of the multienv package would run mid-import).
+# script imports it too (a module that multienv itself imports would run mid-import).
 PRELOAD = [
     "__main__",
     "numpy",

@@ -20,7 +20,7 @@ from multienv.forkserver import MAIN_PATH_VARIABLE
 logger = logging.getLogger(__name__)
 
 
-def import_main_here() -> None:
+def _import_main_here() -> None:
     """In the forkserver: import the user's script as multiprocessing meant to."""
     main_path = os.environ.pop(MAIN_PATH_VARIABLE, None)
     if main_path is None or getattr(sys.modules["__main__"], "__file__", None) == main_path:
@@ -41,4 +41,4 @@ def import_main_here() -> None:
         del current._inheriting  # type: ignore[attr-defined]
 
 
-import_main_here()
+_import_main_here()
