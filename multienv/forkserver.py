@@ -14,17 +14,27 @@ starts, and ``multienv.forkserver_preload``, preloaded last, imports the script 
 it. A script read from stdin has no file to import; workers used to fail trying, and now
 skip it too (its env factories travel by value with cloudpickle anyway). Scripts run with
 ``python -m`` are imported by name and are left as multiprocessing handles them.
+
+The same module imports the modules named in the ``preload`` option (an env's package, such
+as ``gymnasium.envs.classic_control`` or ``ale_py``), so that their pages are shared by every
+worker instead of copied into each, and a respawn does not import them again. The forkserver
+starts once per process, so only the preload given when it starts takes effect.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import threading
+from collections.abc import Sequence
 from multiprocessing import forkserver, spawn
 from multiprocessing.context import BaseContext
 
+logger = logging.getLogger(__name__)
+
 MAIN_PATH_VARIABLE = "MULTIENV_FORKSERVER_MAIN_PATH"
+MODULES_VARIABLE = "MULTIENV_FORKSERVER_PRELOAD"  # comma-separated module names
 # The last one imports the script; multienv must be fully imported by then, since the
 # script imports it too (a module that multienv itself imports would run mid-import).
 PRELOAD = [
@@ -37,22 +47,43 @@ PRELOAD = [
 ]
 _lock = threading.Lock()
 _started_in_pid: int | None = None
+_preloaded: set[str] = set()  # the modules the running forkserver imported, or was told of
 
 
-def forkserver_context() -> BaseContext:
-    """The forkserver context, with its server started (once per process) and preloaded."""
+def forkserver_context(preload: Sequence[str] = ()) -> BaseContext:
+    """The forkserver context, with its server started (once per process) and preloaded.
+
+    Args:
+        preload: Module names the forkserver imports before it forks any worker. Honoured
+            when this call starts the server; a later call naming other modules logs a
+            warning, and each worker imports them itself.
+    """
     global _started_in_pid  # noqa: PLW0603 - one forkserver per process, so one flag
     ctx = multiprocessing.get_context("forkserver")
     with _lock:
         if _started_in_pid == os.getpid():
+            missing = [name for name in preload if name not in _preloaded]
+            if missing:
+                logger.warning(
+                    "preload %s: the forkserver of this process started earlier without "
+                    "them, so each worker imports them itself; pass preload to the first "
+                    "env this process starts",
+                    missing,
+                )
+                _preloaded.update(missing)  # warn once per module
             return ctx
         ctx.set_forkserver_preload(PRELOAD)  # type: ignore[attr-defined]
+        variables = {MODULES_VARIABLE: ",".join(preload)}
         main_path = spawn.get_preparation_data("ignore").get("init_main_from_path")
         if main_path is not None:
-            os.environ[MAIN_PATH_VARIABLE] = main_path
+            variables[MAIN_PATH_VARIABLE] = main_path
+        os.environ.update(variables)
         try:
             forkserver.ensure_running()
         finally:
-            os.environ.pop(MAIN_PATH_VARIABLE, None)
+            for name in variables:
+                os.environ.pop(name, None)
         _started_in_pid = os.getpid()
+        _preloaded.clear()
+        _preloaded.update(preload)
     return ctx

@@ -1,23 +1,35 @@
-"""FORKSERVER ONLY: preloaded last by the forkserver; imports the user's script there.
+"""FORKSERVER ONLY: preloaded last by the forkserver; imports the user's modules and script.
 
 ``multienv.forkserver`` explains why the script must be imported by hand on CPython 3.11
 and 3.12. It has to happen in a module of its own, preloaded after ``multienv.worker``:
 the script imports multienv, and while the multienv package is still being imported (as
 it is while any of its own modules runs at import time) that import fails, so each worker
-would import the script again.
+would import the script again. The modules of the ``preload`` option are imported here
+too, before the script, each under a broad except: multiprocessing's own preload list stops
+the forkserver on any error but ImportError, and then no worker could start.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 import types
 from multiprocessing import process, spawn
 
-from multienv.forkserver import MAIN_PATH_VARIABLE
+from multienv.forkserver import MAIN_PATH_VARIABLE, MODULES_VARIABLE
 
 logger = logging.getLogger(__name__)
+
+
+def _import_modules_here() -> None:
+    """In the forkserver: import the modules of the ``preload`` option."""
+    for name in filter(None, os.environ.pop(MODULES_VARIABLE, "").split(",")):
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - the forkserver must live; a worker reports it
+            logger.debug("forkserver: preloading %s failed; workers will import it", name)
 
 
 def _import_main_here() -> None:
@@ -41,4 +53,5 @@ def _import_main_here() -> None:
         del current._inheriting  # type: ignore[attr-defined]
 
 
+_import_modules_here()
 _import_main_here()

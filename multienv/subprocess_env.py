@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import importlib.util
 import logging
 import math
 import multiprocessing
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from multiprocessing.connection import Connection
@@ -114,7 +115,7 @@ class _Death:
         self.cause = cause
 
 
-def resolve_context(context: BaseContext | str | None) -> BaseContext:
+def resolve_context(context: BaseContext | str | None, preload: Sequence[str] = ()) -> BaseContext:
     """Return the multiprocessing context to start workers with.
 
     Args:
@@ -123,13 +124,32 @@ def resolve_context(context: BaseContext | str | None) -> BaseContext:
             cheap fork; see ``multienv.forkserver``) and
             ``spawn`` elsewhere. ``fork`` is available on request; forking a parent whose
             threads hold locks can deadlock the child.
+        preload: More modules for the forkserver to import; other start methods ignore it.
     """
     if isinstance(context, BaseContext):
         return context
     name = context or ("forkserver" if sys.platform.startswith("linux") else "spawn")
     if name == "forkserver":
-        return forkserver_context()
+        return forkserver_context(preload)
     return multiprocessing.get_context(name)
+
+
+def _checked_preload(preload: Sequence[str], env_index: int) -> tuple[str, ...]:
+    """Return the module names of ``preload``; raise, naming the env, if one is not installed."""
+    is_collection = isinstance(preload, Iterable) and not isinstance(preload, str | bytes)
+    names = tuple(preload) if is_collection else ()
+    if not is_collection or not all(isinstance(name, str) for name in names):
+        raise TypeError(
+            f"env {env_index}: preload must be a list of module names, such as "
+            f"['gymnasium.envs.classic_control'], got {preload!r}"
+        )
+    for name in names:
+        top_level = name.partition(".")[0]
+        if not top_level or importlib.util.find_spec(top_level) is None:
+            raise ModuleNotFoundError(
+                f"env {env_index}: preload names {name!r}, but no module {top_level!r} is installed"
+            )
+    return names
 
 
 class SubprocessEnv(gym.Env[Any, Any]):
@@ -149,6 +169,11 @@ class SubprocessEnv(gym.Env[Any, Any]):
         restart_on_error: Treat an exception raised by env code as a death.
         close_timeout_s: Seconds ``close()`` waits for the worker to exit before killing it.
         env_index: Position of this env in its vector; used in messages and process names.
+        preload: Names of modules for the forkserver to import before it forks workers, such
+            as the env's package (``"ale_py"``), so that every worker shares their memory
+            and a respawn does not import them again. The forkserver starts once per
+            process, so pass it to the first env a process starts; later ones log a warning.
+            Other start methods ignore it.
     """
 
     def __init__(
@@ -163,6 +188,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
         restart_on_error: bool = False,
         close_timeout_s: float = 5.0,
         env_index: int = 0,
+        preload: Sequence[str] = (),
     ) -> None:
         """Check the options and pickle ``env_fn``; no process is started yet."""
         self.env_index = env_index
@@ -185,7 +211,7 @@ class SubprocessEnv(gym.Env[Any, Any]):
                 f"env {env_index}: env_fn {env_fn!r} cannot be pickled with cloudpickle ({exc}); "
                 "build unpicklable resources inside env_fn instead of capturing them."
             ) from exc
-        self._context = resolve_context(context)
+        self._context = resolve_context(context, _checked_preload(preload, env_index))
         self._restart_policy = restart_policy if restart_policy is not None else RestartPolicy()
         self._step_timeout = step_timeout
         self._reset_timeout = reset_timeout

@@ -73,6 +73,12 @@ def make_env(env_id: str) -> Callable[[], gym.Env]:
     return functools.partial(gym.make, env_id)
 
 
+def env_modules(env_id: str) -> list[str]:
+    """The module ``gym.make(env_id)`` imports, for the forkserver to import once for all."""
+    entry_point = gym.spec(env_id).entry_point
+    return [entry_point.partition(":")[0]] if isinstance(entry_point, str) else []
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -479,6 +485,7 @@ def main(args: Args) -> int:
         [make_env(args.env_id)] * args.num_envs,
         autoreset_mode="SameStep",
         restart_policy=restart_policy(args),
+        preload=env_modules(args.env_id),
     )
     obs_dim = int(np.prod(envs.single_observation_space.shape))
     num_actions = int(envs.single_action_space.n)

@@ -35,6 +35,7 @@ from a2c import (
     Recorder,
     anneal,
     collect_rollout,
+    env_modules,
     make_env,
     make_out_dir,
     parse_args,
@@ -93,6 +94,7 @@ def main(args: A3CArgs) -> int:
             [make_env(args.env_id)] * args.envs_per_learner,
             autoreset_mode="SameStep",
             restart_policy=restart_policy(args),
+            preload=env_modules(args.env_id),
         )
         for _ in range(args.learners)
     ]

@@ -1,8 +1,3 @@
-import os
-import pathlib
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -201,63 +196,3 @@ def test_observation_round_trips_exactly(env):
     env.reset()
     obs = env.step(1)[0]
     assert obs.dtype == np.float32
-
-
-@pytest.mark.timeout(60)
-def test_the_users_script_is_imported_once_in_the_forkserver_not_in_every_worker(tmp_path):
-    marker = tmp_path / "imports.txt"
-    script = tmp_path / "train.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import os, signal
-            import numpy as np
-            from multienv import MultiEnv  # at the top, as scripts do: imported in mid-preload
-            from tests.envs import CountingEnv
-            with open({str(marker)!r}, "a") as f:  # a top-level side effect, like `import torch`
-                f.write(f"{{os.getpid()}}\\n")
-
-            if __name__ == "__main__":
-                with MultiEnv([CountingEnv] * 3) as envs:
-                    envs.reset(seed=0)
-                    os.kill(envs.envs[1].pid, signal.SIGKILL)
-                    envs.step(np.zeros(3, dtype=np.int64))  # respawns env 1
-                    assert envs.envs[1].restarts == 1
-            """
-        )
-    )
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    subprocess.run(
-        [sys.executable, str(script)],
-        check=True,
-        timeout=50,
-        env={**os.environ, "PYTHONPATH": str(repo)},
-    )
-    # The script itself, then the forkserver; before, each of the 4 workers imported it again.
-    assert len(marker.read_text().split()) == 2
-
-
-@pytest.mark.timeout(60)
-def test_a_script_read_from_stdin_can_start_workers():
-    script = textwrap.dedent(
-        """
-        import numpy as np
-        from multienv import MultiEnv
-        from tests.envs import CountingEnv
-        with MultiEnv([lambda: CountingEnv(episode_length=3)] * 2) as envs:
-            envs.reset(seed=0)
-            print(envs.step(np.ones(2, dtype=np.int64))[0].ravel().tolist())
-        """
-    )
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, "-"],
-        input=script,
-        capture_output=True,
-        text=True,
-        timeout=50,
-        cwd=repo,
-        env={**os.environ, "PYTHONPATH": str(repo)},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[1.0, 1.0]"
