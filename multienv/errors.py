@@ -21,7 +21,7 @@ class EnvStateError(MultiEnvError, RuntimeError):
 
 
 class EnvError(MultiEnvError):
-    """The env raised inside its worker; the worker is still alive.
+    """The env raised inside its worker, which stays alive (unless it was building the env).
 
     ``__cause__`` is the original exception (or a ``RemoteTraceback`` when it could not be
     sent), whose own ``__cause__`` holds the worker's formatted traceback.

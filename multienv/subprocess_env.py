@@ -12,8 +12,8 @@ that process, its pipes and its restart budget. Failure semantics (DESIGN.md):
   and the command is replayed on the fresh env.
 - It dies while building the env: respawned, under the same budget.
 - Env code raises: ``EnvError`` naming the env, the remote type and message, with the
-  worker's traceback chained; the worker stays alive. With ``restart_on_error=True`` the
-  error is treated as a death instead.
+  worker's traceback chained; the worker stays alive (if ``env_fn`` raised, it has exited).
+  With ``restart_on_error=True`` the error is treated as a death instead.
 - Respawns beyond the ``RestartPolicy``: ``EnvCrashLoopError`` now and on every later call
   (``EnvCrashedError`` under ``RestartPolicy.never()``).
 """
@@ -547,7 +547,11 @@ class SubprocessEnv(gym.Env[Any, Any]):
         if status == Status.ERROR:
             if self._restart_on_error:
                 return f"error: {payload.type_name}"
-            raise self._env_error(payload, "initialize")
+            raise self._env_error(
+                payload,
+                "initialize",
+                "The worker has exited; initialize() again tries env_fn in a new worker.",
+            )
         description: EnvDescription = payload
         self.observation_space = description.observation_space
         self.action_space = description.action_space
@@ -815,15 +819,16 @@ class SubprocessEnv(gym.Env[Any, Any]):
         self._set_state(EnvState.BROKEN)
         raise error
 
-    def _env_error(self, failure: RemoteFailure, name: str) -> EnvError:
+    def _env_error(
+        self, failure: RemoteFailure, name: str, advice: str = "The worker is still alive."
+    ) -> EnvError:
         remote = RemoteTraceback(failure.traceback)
         cause: BaseException = failure.exception if failure.exception is not None else remote
         if cause is not remote:
             cause.__cause__ = remote
         error = EnvError(
             f"env {self.env_index}: worker (pid {self.pid}) raised {failure.type_name} in "
-            f"{name}(): {failure.message}; see the worker traceback above. The worker is "
-            "still alive; call reset().",
+            f"{name}(): {failure.message}; see the worker traceback above. {advice}",
             env_index=self.env_index,
         )
         error.__cause__ = cause

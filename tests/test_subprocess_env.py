@@ -196,3 +196,17 @@ def test_observation_round_trips_exactly(env):
     env.reset()
     obs = env.step(1)[0]
     assert obs.dtype == np.float32
+
+
+def test_env_fn_error_in_initialize_says_the_worker_exited_and_a_retry_uses_a_new_one():
+    proxy = SubprocessEnv(RaiseInInit)
+    proxy.start()
+    try:
+        first_pid = proxy.pid
+        with pytest.raises(EnvError, match=r"cannot build this env.*The worker has exited"):
+            proxy.initialize()
+        with pytest.raises(EnvError, match="cannot build this env"):
+            proxy.initialize()
+        assert proxy.pid != first_pid
+    finally:
+        proxy.close()
