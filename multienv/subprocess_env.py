@@ -80,6 +80,11 @@ logger = logging.getLogger(__name__)
 EnvFn = Callable[[], gym.Env[Any, Any]]
 _PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
 _STDERR_TAIL_LINES = 30
+_EARLY_EXIT_HINT = (
+    "\nA worker that exits before multienv's worker code runs in it, for example while it "
+    "imports your script, writes to this process's stderr instead: look above. If your "
+    'script creates envs at its top level, move that under `if __name__ == "__main__":`.'
+)
 _DONE_OK_REPLY = (Status.OK, None)  # what a DONE_OK record stands for
 _STEP_HEADER = frame(bytes(4))[:-4]  # the length prefix of a four-byte fast step
 _RESET_HEADER = frame(bytes(3))[:-3]
@@ -793,6 +798,8 @@ class SubprocessEnv(gym.Env[Any, Any]):
         tail = tuple(self._stderr_tail)
         policy = self._restart_policy
         stderr_text = "\n".join(tail) if tail else "(nothing)"
+        if not tail and cause.startswith("exit code"):
+            stderr_text += _EARLY_EXIT_HINT
         error: EnvCrashedError
         if policy.is_never:
             error = EnvCrashedError(

@@ -193,3 +193,25 @@ def test_bad_preload_is_rejected_before_anything_starts(preload, error, message)
     with pytest.raises(error, match=message):
         SubprocessEnv(CountingEnv, preload=preload)
     assert live_workers(wait_s=0) == before
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_starts_envs_at_its_top_level_gets_a_crash_loop_error_that_says_why(
+    tmp_path,
+):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            from multienv import MultiEnv, RestartPolicy
+            from tests.envs import CountingEnv
+            envs = MultiEnv([CountingEnv], restart_policy=RestartPolicy(max_restarts=1))
+            """
+        )
+    )
+    done = run_python([str(script)])
+    assert done.returncode == 1
+    # The workers' own tracebacks reach our stderr directly, and the error points at them.
+    assert "EnvCrashLoopError: env 0: worker died 2 times" in done.stderr
+    assert "last cause exit code 1" in done.stderr
+    assert 'move that under `if __name__ == "__main__":`' in done.stderr
