@@ -43,6 +43,7 @@ class Args:
     kills: int = 50  # SIGKILLs for the respawn measurement
     quick: bool = False  # N = 8 and 1 round only
     json_out: str = "bench-results.json"  # where every sample is written
+    child: str = ""  # internal: run one fresh-process measurement and print it as JSON
 
 
 # ----------------------------------------------------------------- workloads
@@ -303,11 +304,15 @@ def time_startup(n: int, repeats: int = 3) -> dict[str, float]:
     return results
 
 
-def time_respawns(kills: int) -> list[float]:
+CARTPOLE_MODULES = ["gymnasium.envs.classic_control.cartpole"]  # preload for CartPole
+
+
+def time_respawns(kills: int, preload: list[str]) -> list[float]:
     """Seconds from a worker's SIGKILL until its env has stepped again after the restart."""
     proxy = SubprocessEnv(
         functools.partial(gym.make, "CartPole-v1"),
         restart_policy=RestartPolicy(max_restarts=10_000),
+        preload=preload,
     )
     proxy.start()
     proxy.initialize()
@@ -336,38 +341,54 @@ def private_mb(pid: int) -> float:
     return total_kb / 1024
 
 
-def measure_memory(n: int = 8) -> dict[str, float]:
-    """Median private memory per worker process after 100 steps, CartPole."""
+def measure_memory(label: str, n: int = 8) -> float:
+    """Median private memory per worker process after 100 steps of N CartPole envs."""
     fns = [functools.partial(gym.make, "CartPole-v1")] * n
-    results = {}
-    builds: dict[str, tuple[Callable[[], Any], Callable[[Any], list[int]]]] = {
-        "gymnasium AsyncVectorEnv": (
-            lambda: gym.vector.AsyncVectorEnv(fns, shared_memory=True),
-            lambda envs: [p.pid for p in envs.processes],
-        ),
-        "multienv": (lambda: MultiEnv(fns), lambda envs: [p.pid for p in envs.envs]),
-    }
-    for label, (build, pids) in builds.items():
-        envs = build()
-        try:
-            envs.reset(seed=0)
-            for _ in range(100):
-                envs.step(np.zeros(n, dtype=np.int64))
-            results[label] = statistics.median(private_mb(pid) for pid in pids(envs))
-        finally:
-            envs.close()
-    return results
+    if label == "gymnasium AsyncVectorEnv":
+        envs: Any = gym.vector.AsyncVectorEnv(fns, shared_memory=True)
+        pids = [p.pid for p in envs.processes]
+    else:
+        envs = MultiEnv(fns, preload=CARTPOLE_MODULES if "preload" in label else [])
+        pids = [env.pid for env in envs.envs]
+    try:
+        envs.reset(seed=0)
+        for _ in range(100):
+            envs.step(np.zeros(n, dtype=np.int64))
+        return statistics.median(private_mb(pid) for pid in pids)
+    finally:
+        envs.close()
+
+
+MEMORY_LABELS = ["gymnasium AsyncVectorEnv", "multienv", "multienv, preload"]
+RESPAWN_LABELS = ["multienv", "multienv, preload"]
+
+
+def run_child(args: Args) -> int:
+    """One measurement in this fresh process (a forkserver starts once per process)."""
+    kind, _, label = args.child.partition(":")
+    if kind == "memory":
+        print(json.dumps(measure_memory(label)))
+    else:
+        print(json.dumps(time_respawns(args.kills, CARTPOLE_MODULES if "preload" in label else [])))
+    return 0
+
+
+def in_fresh_process(args: Args, child: str) -> Any:
+    """Run ``bench.py --child child`` and return what it printed."""
+    command = [sys.executable, __file__, "--child", child, "--kills", str(args.kills)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
 
 
 def main(args: Args) -> int:
     sizes = [8] if args.quick else [int(v) for v in args.num_envs.split(",")]
     if args.quick:
         args.rounds = 1
+    if args.child:
+        return run_child(args)
     results: dict[str, Any] = {"args": dataclasses.asdict(args), "throughput": {}}
-    # First, while the process is fresh: measured after the other libraries have run in this
-    # process, the same respawn took about 170 ms instead of about 20 ms (cause not found).
-    respawns = time_respawns(args.kills)
-    results["respawn_s"] = respawns
     for workload in args.workloads.split(","):
         for n in sizes:
             rows = measure_throughput(args, workload, n)
@@ -378,15 +399,20 @@ def main(args: Args) -> int:
     print("\nstart-up, N=16 CartPole, construct + first reset, fresh process (median of 3):")
     for label, seconds in startup.items():
         print(f"  {label:<26}{seconds:>8.2f} s")
-    memory = measure_memory()
+    # Each in a fresh process, so that preload reaches a forkserver of its own.
+    memory = {label: in_fresh_process(args, f"memory:{label}") for label in MEMORY_LABELS}
     results["private_mb_per_worker"] = memory
     print("\nprivate memory per worker, N=8 CartPole (median):")
     for label, mb in memory.items():
         print(f"  {label:<26}{mb:>8.1f} MiB")
-    print(
-        f"\nSIGKILL to next good step of that env: median {1000 * statistics.median(respawns):.1f}"
-        f" ms, max {1000 * max(respawns):.1f} ms over {len(respawns)} kills"
-    )
+    print("\nSIGKILL to next good step of that env, CartPole:")
+    for label in RESPAWN_LABELS:
+        respawns = in_fresh_process(args, f"respawn:{label}")
+        results[f"respawn_s, {label}"] = respawns
+        print(
+            f"  {label:<26}median {1000 * statistics.median(respawns):.1f} ms, "
+            f"max {1000 * max(respawns):.1f} ms over {len(respawns)} kills"
+        )
     with open(args.json_out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nall samples: {args.json_out}")
