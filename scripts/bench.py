@@ -304,7 +304,9 @@ def time_startup(n: int, repeats: int = 3) -> dict[str, float]:
     return results
 
 
-CARTPOLE_MODULES = ["gymnasium.envs.classic_control.cartpole"]  # preload for CartPole
+def preload_for(label: str) -> list[str]:
+    """CartPole's module for a ``"..., preload"`` label, else nothing."""
+    return ["gymnasium.envs.classic_control.cartpole"] if label.endswith("preload") else []
 
 
 def time_respawns(kills: int, preload: list[str]) -> list[float]:
@@ -348,7 +350,7 @@ def measure_memory(label: str, n: int = 8) -> float:
         envs: Any = gym.vector.AsyncVectorEnv(fns, shared_memory=True)
         pids = [p.pid for p in envs.processes]
     else:
-        envs = MultiEnv(fns, preload=CARTPOLE_MODULES if "preload" in label else [])
+        envs = MultiEnv(fns, preload=preload_for(label))
         pids = [env.pid for env in envs.envs]
     try:
         envs.reset(seed=0)
@@ -369,7 +371,7 @@ def run_child(args: Args) -> int:
     if kind == "memory":
         print(json.dumps(measure_memory(label)))
     else:
-        print(json.dumps(time_respawns(args.kills, CARTPOLE_MODULES if "preload" in label else [])))
+        print(json.dumps(time_respawns(args.kills, preload_for(label))))
     return 0
 
 
@@ -383,11 +385,11 @@ def in_fresh_process(args: Args, child: str) -> Any:
 
 
 def main(args: Args) -> int:
+    if args.child:
+        return run_child(args)
     sizes = [8] if args.quick else [int(v) for v in args.num_envs.split(",")]
     if args.quick:
         args.rounds = 1
-    if args.child:
-        return run_child(args)
     results: dict[str, Any] = {"args": dataclasses.asdict(args), "throughput": {}}
     for workload in args.workloads.split(","):
         for n in sizes:
