@@ -12,8 +12,9 @@ from multienv.errors import (
 )
 from multienv.multi_env import MultiEnv
 from multienv.protocol import RemoteTraceback
+from multienv.proxy import EnvState
 from multienv.restart import RestartPolicy
-from multienv.subprocess_env import EnvState, SubprocessEnv, create_subprocess_envs
+from multienv.subprocess_env import SubprocessEnv, create_subprocess_envs
 
 __version__ = "0.1.0"
 

@@ -1,14 +1,17 @@
 """VECTOR API: MultiEnv, a ``gymnasium.vector.VectorEnv`` over env proxies, run in parallel.
 
-``MultiEnv`` knows its envs only through the split-phase proxy interface (``send_step`` /
-``recv_step``, ``send_reset`` / ``recv_reset``, ``call``, ...), so pipes, pids and signals
-stay in the backend. Calls fan out by slices of envs: one task per slice sends to every env
-of the slice, then collects every reply, so a step costs one message each way per env and
-at most one thread hop per slice (the first slice runs in the caller's thread).
+``MultiEnv`` knows its envs only through the backend-neutral seam of ``multienv.proxy``:
+each worker's ``WorkerSupervisor`` takes one ``Batch`` (the steps and resets of its envs)
+and returns one ``BatchResult``; the backend's ``VectorLink`` waits on many workers at once
+and serves batched observations when they live in shared memory. Pipes, pids and signals
+stay in the backend. A step costs one request and one reply per worker, however many envs
+it hosts, and calls fan out by slices of workers: one task per slice sends to every worker
+of the slice, then collects every reply (the first slice runs in the caller's thread).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -23,14 +26,14 @@ from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from multienv.autoreset import AutoResetEnv, EnvProxy, StepResult
+from multienv.autoreset import Autoreset
 from multienv.errors import EnvStateError
-from multienv.shared_memory import BatchLayout, SharedBatch
-from multienv.subprocess_env import EnvState, create_subprocess_envs
+from multienv.protocol import Batch, BatchResult
+from multienv.proxy import EnvState, RemoteEnv, VectorLink, WorkerSupervisor
+from multienv.subprocess_env import create_subprocess_envs
 
 logger = logging.getLogger(__name__)
 
-_SliceOutcome = tuple[dict[int, Any], dict[int, BaseException]]
 _ARRAY_ACTION_SPACES = (
     gym.spaces.Box,
     gym.spaces.Discrete,
@@ -39,13 +42,29 @@ _ARRAY_ACTION_SPACES = (
 )
 
 
+@dataclasses.dataclass
+class _Worker:
+    """One worker's envs in this vector."""
+
+    supervisor: WorkerSupervisor
+    env_ids: list[int]  # vector indices, ascending
+    positions: list[int]  # their places in the worker
+    index: Any  # env_ids as a slice when contiguous, else an index array
+
+
+# What one worker's batch came back as: its result and errors by env index, or one error
+# (e.g. EnvCrashLoopError) for all of its envs.
+_Collected = tuple[BatchResult | None, dict[int, BaseException]]
+_SliceOutcome = dict[int, _Collected]  # by worker number
+
+
 class MultiEnv(VectorEnv[Any, Any, Any]):
     """A Gymnasium vector env whose sub-envs run in worker processes and survive crashes.
 
     Example:
         >>> import gymnasium as gym
         >>> from multienv import MultiEnv
-        >>> with MultiEnv([lambda: gym.make("CartPole-v1")] * 4) as envs:
+        >>> with MultiEnv([lambda: gym.make("CartPole-v1")] * 4, envs_per_worker=2) as envs:
         ...     obs, infos = envs.reset(seed=0)
         ...     obs, rewards, terminations, truncations, infos = envs.step(
         ...         envs.action_space.sample())
@@ -58,24 +77,28 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         autoreset_mode: Gymnasium autoreset mode: next-step (default), same-step or disabled.
         copy: Return a copy of the batched observations (as Gymnasium does) rather than the
             internal buffer that the next call overwrites.
-        num_threads: How many slices the envs are split into for fan-out; the first slice
-            runs in the caller's thread. Defaults to 1: with observations in shared memory
-            the parent only writes and reads a few bytes per env, which one thread does
-            faster than several (``python scripts/bench.py`` measures it).
-        max_concurrency: At most this many envs step at once in ``step()``/``step_async()``;
-            the next env starts as soon as one finishes. None (default) steps all at once.
-            Use it when N envs would oversubscribe the cores.
+        num_threads: How many slices the workers are split into for fan-out; the first
+            slice runs in the caller's thread. Defaults to 1: with observations in shared
+            memory the parent only writes and reads a few bytes per worker, which one
+            thread does faster than several (``python scripts/bench.py`` measures it).
+        max_concurrency: At most this many envs step at once in ``step()``/``step_async()``
+            (a worker's envs start together); the next worker starts as soon as one
+            finishes. None (default) steps all at once. Use it when N workers would
+            oversubscribe the cores.
+        envs_per_worker: With env factories, how many envs each worker process hosts (env i
+            in worker ``i // envs_per_worker``); see ``create_subprocess_envs``.
         **options: ``SubprocessEnv`` options, used only when ``envs`` are factories.
     """
 
     def __init__(
         self,
-        envs: Iterable[EnvProxy | Callable[[], gym.Env[Any, Any]]],
+        envs: Iterable[RemoteEnv | Callable[[], gym.Env[Any, Any]]],
         *,
         autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
         copy: bool = True,
         num_threads: int | None = None,
         max_concurrency: int | None = None,
+        envs_per_worker: int = 1,
         **options: Any,
     ) -> None:
         """Build or adopt the envs, check that their spaces match, and batch the spaces."""
@@ -89,15 +112,20 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise ValueError("MultiEnv needs at least one env or env factory, got none.")
         is_proxy = [isinstance(item, gym.Env) for item in items]
         if all(is_proxy):
-            if options:
+            if options or envs_per_worker != 1:
+                given = sorted([*options, *(["envs_per_worker"] if envs_per_worker != 1 else [])])
                 raise TypeError(
-                    f"MultiEnv got ready envs and options {sorted(options)!r}; options apply "
+                    f"MultiEnv got ready envs and options {given!r}; options apply "
                     "only when MultiEnv builds the envs from factories."
                 )
             proxies: list[Any] = items
             _check_ready(proxies)
         elif not any(is_proxy):
-            proxies = create_subprocess_envs(items, **options)  # type: ignore[arg-type]
+            proxies = create_subprocess_envs(
+                items,  # type: ignore[arg-type]
+                envs_per_worker=envs_per_worker,
+                **options,
+            )
         else:
             first = is_proxy.index(not is_proxy[0])
             raise TypeError(
@@ -112,7 +140,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     proxy.close()
             raise
 
-    def _adopt(self, proxies: list[Any], num_threads: int | None) -> None:
+    def _adopt(self, proxies: list[RemoteEnv], num_threads: int | None) -> None:
         first = proxies[0]
         for env_index, proxy in enumerate(proxies):
             for name in ("observation_space", "action_space"):
@@ -122,9 +150,6 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                         f"env {env_index}: {name} {space!r} differs from env 0's {expected!r}; "
                         "all envs of a MultiEnv must have the same spaces."
                     )
-        for env_index, proxy in enumerate(proxies):
-            proxy.env_index = env_index
-
         self.envs: list[Any] = proxies
         self.num_envs = len(proxies)
         self.metadata = dict(first.metadata)
@@ -136,41 +161,55 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
 
-        self._wrappers = [AutoResetEnv(proxy, self.autoreset_mode) for proxy in proxies]
+        self._workers = _group_by_worker(proxies)
+        self._worker_of = [0] * self.num_envs
+        for number, worker in enumerate(self._workers):
+            for env_index in worker.env_ids:
+                self._worker_of[env_index] = number
+        self._autoreset = Autoreset(self.autoreset_mode, self.num_envs)
         self._env_obs: list[Any] = [None] * self.num_envs
         self._observations = create_empty_array(
             self.single_observation_space, n=self.num_envs, fn=np.zeros
         )
+        self._rewards = np.zeros(self.num_envs, dtype=np.float64)
+        self._terminations = np.zeros(self.num_envs, dtype=np.bool_)
+        self._truncations = np.zeros(self.num_envs, dtype=np.bool_)
         threads = num_threads or 1
         if threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads!r}")
         self._slices = [
             list(map(int, part))
-            for part in np.array_split(np.arange(self.num_envs), min(threads, self.num_envs))
+            for part in np.array_split(
+                np.arange(len(self._workers)), min(threads, len(self._workers))
+            )
         ]
-        # One thread per slice: step() runs the first slice inline, step_async() none.
-        self._all_ids = list(range(self.num_envs))
         self._executor = ThreadPoolExecutor(
             max_workers=len(self._slices), thread_name_prefix="multienv"
         )
-        self._pending: list[Future[_SliceOutcome]] | None = None
-        self._in_flight: set[int] = set()  # envs sent a step by send(), not yet received
-        self._wait_ready = getattr(type(first), "wait_ready", None)
-        self._shared: SharedBatch | None = None
-        if BatchLayout.supports(self.single_observation_space) and all(
-            hasattr(proxy, "attach") for proxy in proxies
-        ):
-            self._shared = SharedBatch(
-                self.single_observation_space,
-                self.single_action_space,
-                self.num_envs,
-                groups=self._slices,  # one done pipe per collecting thread
-            )
-            try:
-                self._map(lambda i: proxies[i].attach(self._shared))
-            except BaseException:
-                self._shared.close()
-                raise
+        self._pending: list[Future[_SliceOutcome]] | None = None  # step_async()
+        self._flying: dict[int, list[int]] = {}  # workers sent a batch by send(): its envs
+        self._received: dict[int, tuple[Any, ...]] = {}  # envs collected, not yet returned
+        supervisors = [worker.supervisor for worker in self._workers]
+        env_indices = []
+        for worker in self._workers:
+            indices = [-1] * len(worker.supervisor.env_indices)
+            for env_index, position in zip(worker.env_ids, worker.positions, strict=True):
+                indices[position] = env_index
+                worker.supervisor.env_indices[position] = env_index
+                proxies[env_index].env_index = env_index
+            env_indices.append(indices)
+        self._link: VectorLink = supervisors[0].handle.open_link(
+            [supervisor.handle for supervisor in supervisors],
+            (self.single_observation_space, self.single_action_space),
+            env_indices,
+            self._slices,
+        )
+        try:
+            for supervisor in supervisors:
+                supervisor.join_link()
+        except BaseException:
+            self._link.close()
+            raise
 
     # ----------------------------------------------------------------- vector API
 
@@ -191,45 +230,83 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         seeds = self._seeds(seed)
         options = dict(options) if options is not None else None
         mask = self._reset_mask(options.pop("reset_mask", None) if options else None)
-        indices = [i for i in range(self.num_envs) if mask[i]]
+        has_seeds = any(s is not None for s in seeds)
 
-        def send(i: int) -> None:
-            self._wrappers[i].send_reset(seed=seeds[i], options=options)
+        def make_batch(worker: _Worker) -> Batch | None:
+            chosen = [k for k, env_index in enumerate(worker.env_ids) if mask[env_index]]
+            if not chosen:
+                return None
+            return Batch(
+                [worker.positions[k] for k in chosen],
+                np.ones(len(chosen), dtype=np.bool_),
+                [None] * len(chosen),
+                False,
+                [seeds[worker.env_ids[k]] for k in chosen] if has_seeds else None,
+                [options] * len(chosen) if options else None,
+            )
 
-        parts = self._slices if len(indices) == self.num_envs else self._slices_of(indices)
-        results = self._gather(self._fan_out(parts, send, lambda i: self._wrappers[i].recv_reset()))
+        outcome = self._gather(self._fan_out(range(len(self._workers)), make_batch))
         infos: dict[str, Any] = {}
-        for i in indices:
-            obs, info = results[i]
-            if obs is not None:
-                self._env_obs[i] = obs
-            infos = self._add_info(infos, info, i)
+        for number, worker in enumerate(self._workers):
+            if number not in outcome:
+                continue
+            result, _ = outcome[number]
+            assert result is not None
+            ids = [env_index for env_index in worker.env_ids if mask[env_index]]
+            self._autoreset.after_reset(ids)
+            for item, env_index in enumerate(ids):
+                if result.obs is not None:
+                    self._env_obs[env_index] = result.obs[item]
+                extra = result.extras.get(item)
+                if extra is not None and extra.info:
+                    infos = self._add_info(infos, extra.info, env_index)
         return self._batched_obs(), infos
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Step every env with its action; see the module docstring of ``autoreset``."""
-        per_env = self._prepare_step(actions)
+        make_batch = self._prepare_step(actions)
         if self._is_limited():
-            return self._finish_step(self._step_limited(per_env))
-        send, recv = self._step_calls(per_env)
-        return self._finish_step(self._gather(self._fan_out(self._slices, send, recv)))
+            return self._finish_step(self._step_limited(make_batch))
+        return self._finish_step(self._gather(self._fan_out(range(len(self._workers)), make_batch)))
 
     def step_async(self, actions: Any) -> None:
         """Send a step to every env and return at once; ``step_wait()`` collects it."""
-        per_env = self._prepare_step(actions)
+        make_batch = self._prepare_step(actions)
         if self._is_limited():
-            self._pending = [self._executor.submit(self._step_limited_outcome, per_env)]
+            self._pending = [self._executor.submit(self._step_limited, make_batch)]
             return
-        send, recv = self._step_calls(per_env)
         self._pending = [
-            self._executor.submit(_run_slice, part, send, recv) for part in self._slices
+            self._executor.submit(_run_slice, [self._workers[n] for n in part], part, make_batch)
+            for part in self._slices
         ]
+
+    def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Wait for the step sent by ``step_async()``.
+
+        Args:
+            timeout: Seconds to wait; on expiry ``TimeoutError`` is raised and the step stays
+                in flight, so ``step_wait()`` may be called again.
+        """
+        if self._pending is None:
+            raise EnvStateError("step_wait() called without a pending step_async().")
+        _done, not_done = wait_futures(self._pending, timeout)
+        if not_done:
+            raise TimeoutError(
+                f"step_wait() timed out after {timeout} s with {len(not_done)} of "
+                f"{len(self._pending)} slices still stepping; call step_wait() again, or close()."
+            )
+        futures, self._pending = self._pending, None
+        outcome: _SliceOutcome = {}
+        for future in futures:
+            outcome.update(future.result())
+        return self._finish_step(outcome)
 
     def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """Send a step to some envs and return at once; ``recv()`` collects the first to finish.
 
         EnvPool-style asynchronous stepping: keep some envs stepping while you learn from
-        the others, so a slow env does not hold back the batch.
+        the others, so a slow env does not hold back the batch. The envs of one worker
+        travel together: an env cannot be sent while its worker steps others.
 
         Example:
             >>> import gymnasium as gym, numpy as np
@@ -252,12 +329,32 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         if self._pending is not None:
             raise EnvStateError("MultiEnv.send() called while a step_async() is pending.")
         ids = self._env_ids(env_ids)
-        per_env = self._split_actions(actions, ids)
-        for i in ids:
-            self._wrappers[i].check_can_step()
-        for position, i in enumerate(ids):
-            self._wrappers[i].send_step(per_env[position])
-            self._in_flight.add(i)
+        batch_actions = self._split_actions(actions, ids)
+        self._autoreset.check_can_step(ids)
+        by_worker: dict[int, list[int]] = {}
+        for position, env_index in enumerate(ids):
+            by_worker.setdefault(self._worker_of[env_index], []).append(position)
+        for number, where in by_worker.items():
+            if number in self._flying:
+                env_index = ids[where[0]]
+                raise EnvStateError(
+                    f"env {env_index}: its worker is stepping envs {self._flying[number]}; "
+                    "recv() them before sending it.",
+                    env_index=env_index,
+                )
+        for number, where in sorted(by_worker.items()):
+            worker = self._workers[number]
+            env_list = [ids[p] for p in where]
+            position_of = dict(zip(worker.env_ids, worker.positions, strict=True))
+            positions = [position_of[env_index] for env_index in env_list]
+            batch = Batch(
+                positions,
+                self._autoreset.resets(env_list),
+                _take(batch_actions, where),
+                self._autoreset.is_same_step,
+            )
+            worker.supervisor.submit(batch)
+            self._flying[number] = env_list
 
     def recv(
         self, batch_size: int | None = None, timeout: float | None = None
@@ -275,40 +372,57 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         """
         if self.closed:
             raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
-        flying = sorted(self._in_flight)
-        if not flying:
+        in_flight = len(self._received) + sum(len(ids) for ids in self._flying.values())
+        if not in_flight:
             raise EnvStateError("MultiEnv.recv() called with no env in flight; call send() first.")
-        size = len(flying) if batch_size is None else batch_size
-        if not 1 <= size <= len(flying):
+        size = in_flight if batch_size is None else batch_size
+        if not 1 <= size <= in_flight:
             raise ValueError(
-                f"recv(batch_size={batch_size!r}) with {len(flying)} envs in flight; pass a "
-                f"batch_size from 1 to {len(flying)}, or None for all."
+                f"recv(batch_size={batch_size!r}) with {in_flight} envs in flight; pass a "
+                f"batch_size from 1 to {in_flight}, or None for all."
             )
-        ids = self._wait_for(flying, size, timeout)
-        self._in_flight.difference_update(ids)
-        results: dict[int, StepResult] = {}
-        errors: dict[int, BaseException] = {}
-        self._recv_steps(ids, results, errors)
-        self._collect([(results, errors)])
-        return self._finish_partial(ids, results)
-
-    def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """Wait for the step sent by ``step_async()``.
-
-        Args:
-            timeout: Seconds to wait; on expiry ``TimeoutError`` is raised and the step stays
-                in flight, so ``step_wait()`` may be called again.
-        """
-        if self._pending is None:
-            raise EnvStateError("step_wait() called without a pending step_async().")
-        _done, not_done = wait_futures(self._pending, timeout)
-        if not_done:
-            raise TimeoutError(
-                f"step_wait() timed out after {timeout} s with {len(not_done)} of "
-                f"{len(self._pending)} slices still stepping; call step_wait() again, or close()."
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self._received) < size:
+            flying = sorted(self._flying)
+            supervisors = [self._workers[n].supervisor for n in flying]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = self._link.wait_any(
+                [s.handle for s in supervisors], [s.deadline for s in supervisors], left
             )
-        futures, self._pending = self._pending, None
-        return self._finish_step(self._collect(futures))
+            if not ready:
+                raise TimeoutError(
+                    f"recv() timed out after {timeout} s with {len(self._received)} of the "
+                    f"{size} envs ready; every step is still in flight, call recv() again."
+                )
+            collected = {}
+            for k in ready:
+                number = flying[k]
+                collected[number] = _finish(self._workers[number])
+            errors = self._receive(collected)
+            if errors:
+                self._raise_first(errors)
+        ids = sorted(list(self._received)[:size])
+        rows = [self._received.pop(env_index) for env_index in ids]
+        infos: dict[str, Any] = {}
+        partial = _PartialInfos(size)
+        for position, row in enumerate(rows):
+            if row[3]:
+                infos = partial._add_info(infos, row[3], position)
+        infos["env_id"] = np.asarray(ids, dtype=np.int64)
+        if self._link.has_shared_obs:
+            observations = self._link.observations(ids, copy=True)
+        else:
+            observations = create_empty_array(self.single_observation_space, n=size, fn=np.zeros)
+            observations = concatenate(
+                self.single_observation_space, [self._env_obs[i] for i in ids], observations
+            )
+        return (
+            observations,
+            np.array([row[0] for row in rows], dtype=np.float64),
+            np.array([row[1] for row in rows], dtype=np.bool_),
+            np.array([row[2] for row in rows], dtype=np.bool_),
+            infos,
+        )
 
     def render(self) -> tuple[Any, ...]:
         """Return every env's ``render()`` result."""
@@ -334,7 +448,10 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self._map(lambda i: self.envs[i].set_attr(name, values[i]))
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per env: steps, episodes, restarts, last failure cause, step latency p50/p99 (s)."""
+        """Per env: steps, episodes, restarts, last failure cause, step latency p50/p99 (s).
+
+        The latency is the round trip of the step's batch to the env's worker.
+        """
         rows = []
         for proxy in self.envs:
             latencies = np.asarray(proxy.step_latencies_s, dtype=np.float64)
@@ -353,19 +470,23 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         return rows
 
     def close_extras(self, timeout: float | None = None, **kwargs: Any) -> None:
-        """Close every env in parallel, each bounded by ``timeout`` seconds."""
-        if "envs" not in self.__dict__:
+        """Close every worker in parallel, each bounded by ``timeout`` seconds."""
+        if "_link" not in self.__dict__:
             return
+
+        def close_worker(worker: _Worker) -> None:
+            for env_index in worker.env_ids:
+                self.envs[env_index].close(timeout=timeout)
+
         try:
             with ThreadPoolExecutor(
-                max_workers=self.num_envs, thread_name_prefix="multienv-close"
+                max_workers=len(self._workers), thread_name_prefix="multienv-close"
             ) as pool:
-                list(pool.map(lambda proxy: proxy.close(timeout=timeout), self.envs))
+                list(pool.map(close_worker, self._workers))
         except RuntimeError:  # the interpreter is shutting down and starts no threads
-            for proxy in self.envs:
-                proxy.close(timeout=timeout)
-        if self._shared is not None:
-            self._shared.close()
+            for worker in self._workers:
+                close_worker(worker)
+        self._link.close()
         if self._pending is not None:
             wait_futures(self._pending, timeout=5.0)  # the workers are gone, so they end now
             self._pending = None
@@ -381,7 +502,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
     def __del__(self) -> None:
         """Close the envs if the object was fully constructed."""
-        if "envs" in self.__dict__ and not self.closed:
+        if "_link" in self.__dict__ and not self.closed:
             self.close(timeout=1.0)
 
     # ----------------------------------------------------------------- internals
@@ -393,9 +514,10 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise EnvStateError(
                 f"MultiEnv.{name}() called while a step_async() is pending; call step_wait() first."
             )
-        if self._in_flight:
+        if self._flying or self._received:
+            flying = sorted([*self._received, *(i for ids in self._flying.values() for i in ids)])
             raise EnvStateError(
-                f"MultiEnv.{name}() called while envs {sorted(self._in_flight)} are in flight "
+                f"MultiEnv.{name}() called while envs {flying} are in flight "
                 "after send(); call recv() until none is left."
             )
 
@@ -407,12 +529,13 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         if not ids:
             raise ValueError("send() got no env_ids; pass at least one.")
         seen: set[int] = set()
+        flying = {i for ids_ in self._flying.values() for i in ids_} | set(self._received)
         for i in ids:
             if not 0 <= i < self.num_envs:
                 raise ValueError(f"env {i}: no such env; env_ids must be in [0, {self.num_envs}).")
             if i in seen:
                 raise ValueError(f"env {i}: appears twice in env_ids; pass each env once.")
-            if i in self._in_flight:
+            if i in flying:
                 raise EnvStateError(
                     f"env {i}: already in flight; recv() it before sending it again.",
                     env_index=i,
@@ -420,69 +543,72 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             seen.add(i)
         return ids
 
-    def _wait_for(self, flying: list[int], size: int, timeout: float | None) -> list[int]:
-        """Wait until ``size`` of the envs in flight can be collected; return their indices."""
-        if self._wait_ready is None:  # a backend without a multi-wait: collect in env order
-            return flying[:size]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        ready: list[int] = []
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready += self._ready([i for i in flying if i not in ready], left)
-            if len(ready) >= size:
-                return sorted(ready[:size])
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"recv() timed out after {timeout} s with {len(ready)} of the {size} envs "
-                    "ready; every step is still in flight, call recv() again."
-                )
+    def _receive(self, collected: _SliceOutcome) -> dict[int, BaseException]:
+        """File collected workers' envs under ``_received``, in the order they came in."""
+        errors: dict[int, BaseException] = {}
+        for number, (result, worker_errors) in collected.items():
+            ids = self._flying.pop(number)
+            errors.update(worker_errors)
+            if result is None:
+                continue
+            self._autoreset.after_step(ids, result.terminated, result.truncated)
+            for item, env_index in enumerate(ids):
+                if env_index in worker_errors:
+                    continue
+                if result.obs is not None:
+                    self._env_obs[env_index] = result.obs[item]
+                info: dict[str, Any] = {}
+                terminated, truncated = bool(result.terminated[item]), bool(result.truncated[item])
+                extra = result.extras.get(item)
+                if extra is not None:
+                    info, must_reset = self._autoreset.step_info(extra, terminated or truncated)
+                    if must_reset:
+                        info = self._reset_after_crash(env_index, info)
+                reward = float(result.rewards[item])
+                self._received[env_index] = (reward, terminated, truncated, info)
+        return errors
 
-    def _ready(self, ids: list[int], timeout: float | None = None) -> list[int]:
-        """Those of ``ids`` whose call can be collected now, after waiting up to ``timeout``."""
-        if self._wait_ready is None:  # a backend without a multi-wait: the first, blocking
-            return ids[:1]
-        return [ids[p] for p in self._wait_ready([self.envs[i] for i in ids], timeout)]
-
-    def _recv_steps(
-        self, ids: list[int], results: dict[int, StepResult], errors: dict[int, BaseException]
-    ) -> None:
-        """Collect the steps of ``ids`` into ``results``, or their errors into ``errors``."""
-        for i in ids:
-            try:
-                results[i] = self._wrappers[i].recv_step()
-            except Exception as exc:  # noqa: BLE001 - raised by _collect, lowest index first
-                errors[i] = exc
+    def _raise_first(self, errors: dict[int, BaseException]) -> None:
+        first, *others = sorted(errors)
+        for env_index in others:
+            logger.error("env %d: failed too: %s", env_index, errors[env_index])
+        raise errors[first]
 
     def _is_limited(self) -> bool:
         return self.max_concurrency is not None and self.max_concurrency < self.num_envs
 
-    def _step_limited(self, per_env: list[Any]) -> dict[int, StepResult]:
-        """Step every env with at most ``max_concurrency`` in flight; start one as one ends."""
+    def _step_limited(self, make_batch: Callable[[_Worker], Batch | None]) -> _SliceOutcome:
+        """Step every worker with at most ``max_concurrency`` envs in flight."""
         assert self.max_concurrency is not None
-        queue = list(range(self.num_envs))
+        queue = list(range(len(self._workers)))
         running: list[int] = []
-        results: dict[int, StepResult] = {}
-        errors: dict[int, BaseException] = {}
+        outcome: _SliceOutcome = {}
         while queue or running:
-            while queue and len(running) < self.max_concurrency:
-                i = queue.pop(0)
+            while queue and (
+                not running
+                or sum(len(self._workers[n].env_ids) for n in running)
+                + len(self._workers[queue[0]].env_ids)
+                <= self.max_concurrency
+            ):
+                number = queue.pop(0)
+                worker = self._workers[number]
+                batch = make_batch(worker)
+                assert batch is not None
                 try:
-                    self._wrappers[i].send_step(per_env[i])
-                    running.append(i)
-                except Exception as exc:  # noqa: BLE001 - raised by _collect, lowest index first
-                    errors[i] = exc
+                    worker.supervisor.submit(batch)
+                    running.append(number)
+                except Exception as exc:  # noqa: BLE001 - raised by _gather, lowest index first
+                    outcome[number] = (None, dict.fromkeys(worker.env_ids, exc))
             if not running:
                 break
-            done = self._ready(running)
-            running = [i for i in running if i not in done]
-            self._recv_steps(done, results, errors)
-        return self._collect([(results, errors)])
-
-    def _step_limited_outcome(self, per_env: list[Any]) -> _SliceOutcome:
-        try:
-            return self._step_limited(per_env), {}
-        except Exception as exc:  # noqa: BLE001 - step_wait() raises it
-            return {}, {getattr(exc, "env_index", None) or 0: exc}
+            supervisors = [self._workers[n].supervisor for n in running]
+            ready = self._link.wait_any(
+                [s.handle for s in supervisors], [s.deadline for s in supervisors], None
+            )
+            for k in ready:
+                outcome[running[k]] = _finish(self._workers[running[k]])
+            running = [n for k, n in enumerate(running) if k not in ready]
+        return outcome
 
     def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
         if seed is None:
@@ -513,17 +639,31 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise ValueError("options['reset_mask'] must select at least one env.")
         return mask
 
-    def _prepare_step(self, actions: Any) -> list[Any]:
-        """Check the actions and the envs, then split the batch; nothing is sent yet."""
+    def _prepare_step(self, actions: Any) -> Callable[[_Worker], Batch | None]:
+        """Check the actions and the envs; return how to make each worker's batch."""
         self._check_idle("step")
-        per_env = self._split_actions(actions, self._all_ids)
-        for wrapper in self._wrappers:
-            wrapper.check_can_step()
-        return per_env
+        batch_actions = self._split_actions(actions, None)
+        autoreset = self._autoreset
+        autoreset.check_can_step(slice(None))
+        resets = autoreset.resets(slice(None))
+        is_same_step = autoreset.is_same_step
 
-    def _split_actions(self, actions: Any, env_ids: list[int]) -> list[Any]:
-        """One action per env of ``env_ids``, checked; errors name the env."""
-        n, space = len(env_ids), self.single_action_space
+        def make_batch(worker: _Worker) -> Batch:
+            return Batch(
+                worker.positions,
+                resets[worker.index],
+                batch_actions[worker.index]
+                if isinstance(batch_actions, np.ndarray)
+                else _take(batch_actions, worker.env_ids),
+                is_same_step,
+            )
+
+        return make_batch
+
+    def _split_actions(self, actions: Any, env_ids: list[int] | None) -> Any:
+        """The actions as one array (array spaces) or list, checked; errors name the env."""
+        ids = list(range(self.num_envs)) if env_ids is None else env_ids
+        n, space = len(ids), self.single_action_space
         if not isinstance(space, _ARRAY_ACTION_SPACES):
             batch_space_n = self.action_space if n == self.num_envs else batch_space(space, n)
             per_env = list(iterate(batch_space_n, actions))
@@ -533,15 +673,13 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         if isinstance(actions, np.ndarray) and actions.shape == (n, *space.shape):
             batch = actions  # the usual case; the checks below only name what is wrong
         else:
-            self._check_action_shapes(actions, env_ids)
+            self._check_action_shapes(actions, ids)
             batch = np.asarray(actions)
         if isinstance(space, gym.spaces.Discrete | gym.spaces.MultiDiscrete) and not (
             np.issubdtype(batch.dtype, np.integer)
         ):
             raise ValueError(f"expected integer actions for {space!r}, got dtype {batch.dtype}.")
-        if isinstance(space, gym.spaces.Discrete):
-            return batch.tolist()  # Python ints pickle several times faster than numpy scalars
-        return list(batch)
+        return batch
 
     def _check_action_shapes(self, actions: Any, env_ids: list[int]) -> None:
         n, space = len(env_ids), self.single_action_space
@@ -563,116 +701,106 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     f"(single_action_space {space!r})."
                 )
 
-    def _step_calls(
-        self, per_env: list[Any]
-    ) -> tuple[Callable[[int], None], Callable[[int], StepResult]]:
-        wrappers = self._wrappers
-
-        def send(i: int) -> None:
-            wrappers[i].send_step(per_env[i])
-
-        def recv(i: int) -> StepResult:
-            return wrappers[i].recv_step()
-
-        return send, recv
-
-    def _finish_step(
-        self, results: dict[int, StepResult]
-    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        rewards, terminations, truncations, infos = self._unpack(self._all_ids, results, self)
-        return self._batched_obs(), rewards, terminations, truncations, infos
-
-    def _unpack(
-        self, ids: list[int], results: dict[int, StepResult], merger: Any
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        """Batch the results of ``ids`` in that order; ``merger._add_info`` merges infos."""
-        rewards, terminations, truncations = [], [], []
+    def _finish_step(self, outcome: _SliceOutcome) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Assemble the workers' results into the vector's batch, then raise the first error."""
+        rewards, terminations, truncations = self._rewards, self._terminations, self._truncations
         infos: dict[str, Any] = {}
-        for position, i in enumerate(ids):
-            obs, reward, terminated, truncated, info = results[i]
-            rewards.append(reward)
-            terminations.append(terminated)
-            truncations.append(truncated)
-            if obs is not None:
-                self._env_obs[i] = obs
-            if info:
-                infos = merger._add_info(infos, info, position)
-        return (
-            np.array(rewards, dtype=np.float64),
-            np.array(terminations, dtype=np.bool_),
-            np.array(truncations, dtype=np.bool_),
-            infos,
-        )
+        errors: dict[int, BaseException] = {}
+        autoreset = self._autoreset
+        for number, (result, worker_errors) in outcome.items():
+            errors.update(worker_errors)
+            if result is None:
+                continue
+            worker = self._workers[number]
+            index = worker.index
+            rewards[index] = result.rewards
+            terminations[index] = result.terminated
+            truncations[index] = result.truncated
+            autoreset.after_step(index, result.terminated, result.truncated)
+            if result.obs is not None:
+                for item, env_index in enumerate(worker.env_ids):
+                    self._env_obs[env_index] = result.obs[item]
+            for item, extra in result.extras.items():
+                env_index = worker.env_ids[item]
+                if env_index in worker_errors:
+                    continue
+                is_done = bool(result.terminated[item] or result.truncated[item])
+                info, must_reset = autoreset.step_info(extra, is_done)
+                if must_reset:
+                    info = self._reset_after_crash(env_index, info)
+                if info:
+                    infos = self._add_info(infos, info, env_index)
+        if errors:
+            self._raise_first(errors)
+        return self._batched_obs(), rewards.copy(), terminations.copy(), truncations.copy(), infos
 
-    def _finish_partial(
-        self, ids: list[int], results: dict[int, StepResult]
-    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        size = len(ids)
-        rewards, terminations, truncations, infos = self._unpack(ids, results, _PartialInfos(size))
-        infos["env_id"] = np.asarray(ids, dtype=np.int64)
-        if self._shared is not None:
-            observations = self._shared.observations(ids)  # a gather, so already a copy
-        else:
-            observations = create_empty_array(self.single_observation_space, n=size, fn=np.zeros)
-            observations = concatenate(
-                self.single_observation_space, [self._env_obs[i] for i in ids], observations
-            )
-        return observations, rewards, terminations, truncations, infos
+    def _reset_after_crash(self, env_index: int, info: dict[str, Any]) -> dict[str, Any]:
+        """SAME_STEP: reset an env whose worker died mid-step; report the crash's final obs."""
+        proxy = self.envs[env_index]
+        final_obs = proxy.supervisor.read_obs(proxy.position)
+        obs, reset_info = proxy.reset()
+        self._env_obs[env_index] = obs
+        return Autoreset.crash_info(final_obs, info, reset_info)
 
     def _batched_obs(self) -> Any:
-        if self._shared is not None:
-            return self._shared.observations(copy=self.copy)
+        if self._link.has_shared_obs:
+            return self._link.observations(None, copy=self.copy)
         self._observations = concatenate(
             self.single_observation_space, self._env_obs, self._observations
         )
         return deepcopy(self._observations) if self.copy else self._observations
 
-    def _slices_of(self, indices: Sequence[int]) -> list[list[int]]:
-        """The fan-out slices restricted to ``indices`` (a reset mask), empty ones dropped."""
-        wanted = set(indices)
-        parts = [[i for i in part if i in wanted] for part in self._slices]
-        return [part for part in parts if part]
-
     def _fan_out(
-        self,
-        parts: list[list[int]],
-        send: Callable[[int], None],
-        recv: Callable[[int], Any],
+        self, numbers: Iterable[int], make_batch: Callable[[_Worker], Batch | None]
     ) -> list[Future[_SliceOutcome] | _SliceOutcome]:
-        """Run ``send`` then ``recv`` for each env of ``parts``; the first part runs inline."""
+        """Send each worker its batch and collect it, by slices; the first slice runs inline."""
+        wanted = set(numbers)
+        parts = [[n for n in part if n in wanted] for part in self._slices]
+        parts = [part for part in parts if part]
         futures: list[Future[_SliceOutcome] | _SliceOutcome] = [
-            self._executor.submit(_run_slice, part, send, recv) for part in parts[1:]
+            self._executor.submit(_run_slice, [self._workers[n] for n in part], part, make_batch)
+            for part in parts[1:]
         ]
-        futures.insert(0, _run_slice(parts[0], send, recv))
+        futures.insert(0, _run_slice([self._workers[n] for n in parts[0]], parts[0], make_batch))
         return futures
 
-    def _gather(self, outcomes: list[Future[_SliceOutcome] | _SliceOutcome]) -> dict[int, Any]:
+    def _gather(self, outcomes: list[Future[_SliceOutcome] | _SliceOutcome]) -> _SliceOutcome:
+        """Wait for every slice, then raise the lowest env index's error, if any."""
         futures = [o for o in outcomes if isinstance(o, Future)]
         if futures:
             wait_futures(futures)
-        return self._collect(outcomes)
-
-    def _collect(self, outcomes: Sequence[Future[_SliceOutcome] | _SliceOutcome]) -> dict[int, Any]:
-        """Merge slice outcomes; raise the lowest env index's error after logging the others."""
-        results: dict[int, Any] = {}
-        errors: dict[int, BaseException] = {}
+        merged: _SliceOutcome = {}
         for outcome in outcomes:
-            slice_results, slice_errors = (
-                outcome.result() if isinstance(outcome, Future) else outcome
-            )
-            results.update(slice_results)
-            errors.update(slice_errors)
-        if errors:
-            first, *others = sorted(errors)
-            for env_index in others:
-                logger.error("env %d: failed too: %s", env_index, errors[env_index])
-            raise errors[first]
-        return results
+            merged.update(outcome.result() if isinstance(outcome, Future) else outcome)
+        return merged
 
     def _map(self, call: Callable[[int], Any]) -> tuple[Any, ...]:
         self._check_idle("call")
-        results = self._gather(self._fan_out(self._slices, lambda i: None, call))
+
+        def run(part: list[int]) -> dict[int, Any]:
+            results: dict[int, Any] = {}
+            for number in part:
+                for env_index in self._workers[number].env_ids:
+                    try:
+                        results[env_index] = call(env_index)
+                    except Exception as exc:  # noqa: BLE001 - raised below, lowest index first
+                        results[env_index] = _Failed(exc)
+            return results
+
+        futures = [self._executor.submit(run, part) for part in self._slices[1:]]
+        results = run(self._slices[0])
+        wait_futures(futures)
+        for future in futures:
+            results.update(future.result())
+        errors = {i: r.error for i, r in results.items() if isinstance(r, _Failed)}
+        if errors:
+            self._raise_first(errors)
         return tuple(results[i] for i in range(self.num_envs))
+
+
+@dataclasses.dataclass
+class _Failed:
+    error: BaseException
 
 
 class _PartialInfos:
@@ -684,35 +812,73 @@ class _PartialInfos:
         self.num_envs = num_envs
 
 
+def _take(values: Any, index: Sequence[int]) -> Any:
+    if isinstance(values, np.ndarray):
+        return values[list(index)]
+    return [values[i] for i in index]
+
+
+def _finish(worker: _Worker) -> _Collected:
+    """Collect one worker's batch: the result with its errors by env index, or one error."""
+    try:
+        result, errors = worker.supervisor.finish()
+    except Exception as exc:  # noqa: BLE001 - raised by the caller, lowest env index first
+        return None, dict.fromkeys(worker.env_ids, exc)
+    return result, {worker.env_ids[item]: error for item, error in errors.items()}
+
+
 def _run_slice(
-    indices: Sequence[int], send: Callable[[int], None], recv: Callable[[int], Any]
+    workers: Sequence[_Worker],
+    numbers: Sequence[int],
+    make_batch: Callable[[_Worker], Batch | None],
 ) -> _SliceOutcome:
-    """Send to every env of the slice, then collect every reply; errors are kept per env."""
-    results: dict[int, Any] = {}
-    errors: dict[int, BaseException] = {}
+    """Send every worker of the slice its batch, then collect every reply."""
+    outcome: _SliceOutcome = {}
     sent = []
-    for i in indices:
+    for number, worker in zip(numbers, workers, strict=True):
+        batch = make_batch(worker)
+        if batch is None:
+            continue
         try:
-            send(i)
-            sent.append(i)
-        except Exception as exc:  # noqa: BLE001 - re-raised by _collect, lowest env index first
-            errors[i] = exc
-    for i in sent:
-        try:
-            results[i] = recv(i)
-        except Exception as exc:  # noqa: BLE001 - re-raised by _collect, lowest env index first
-            errors[i] = exc
-    return results, errors
+            worker.supervisor.submit(batch)
+            sent.append((number, worker))
+        except Exception as exc:  # noqa: BLE001 - raised by the caller, lowest env index first
+            outcome[number] = (None, dict.fromkeys(worker.env_ids, exc))
+    for number, worker in sent:
+        outcome[number] = _finish(worker)
+    return outcome
+
+
+def _group_by_worker(proxies: Sequence[RemoteEnv]) -> list[_Worker]:
+    """The vector's workers, in order of their first env, with their envs in this vector."""
+    workers: dict[int, _Worker] = {}
+    for env_index, proxy in enumerate(proxies):
+        key = id(proxy.supervisor)
+        if key not in workers:
+            workers[key] = _Worker(proxy.supervisor, [], [], None)
+        workers[key].env_ids.append(env_index)
+        workers[key].positions.append(proxy.position)
+    for worker in workers.values():
+        first, count = worker.env_ids[0], len(worker.env_ids)
+        if worker.env_ids == list(range(first, first + count)):
+            worker.index = slice(first, first + count)
+        else:
+            worker.index = np.asarray(worker.env_ids)
+    return list(workers.values())
 
 
 def _check_ready(proxies: Sequence[Any]) -> None:
+    seen: set[int] = set()
     for env_index, proxy in enumerate(proxies):
-        if not hasattr(proxy, "send_step"):
+        if not isinstance(proxy, RemoteEnv):
             raise TypeError(
                 f"env {env_index}: expected a SubprocessEnv (or another multienv proxy) or an "
                 f"env factory, got {type(proxy).__name__}."
             )
-        state = getattr(proxy, "state", EnvState.READY)
+        if id(proxy) in seen:
+            raise ValueError(f"env {env_index}: the same proxy appears twice; pass each once.")
+        seen.add(id(proxy))
+        state = proxy.state
         if state is not EnvState.READY:
             raise EnvStateError(
                 f"env {env_index}: is in state {state.name}; pass ready envs (start() and "

@@ -1,16 +1,23 @@
-"""The wire between parent and worker: commands, replies and remote errors; stdlib only.
+"""BOTH SIDES, no I/O policy: the wire between the parent and a worker hosting k envs.
 
-Every request is a tuple ``(int(Command), payload)``; every reply is a tuple
-``(int(Status), payload)``, except on the shared-memory fast path below, where a step is a
-four-byte request and a four-byte record on a shared "done" pipe. Each message
-is framed with a 4-byte length
-(``write_message`` / ``MessageReader``, straight on the socket's fd, so a small message costs
-one system call each way) and pickled with plain ``pickle`` (``encode``/``decode``):
-multiprocessing's own ``send`` builds a ForkingPickler per message and its ``recv_bytes``
-reads twice, which together cost more than a CartPole step.
+A worker hosts k envs; each has a ``position`` (0 to k-1) in its worker. Messages are framed
+with a 4-byte length (``write_message`` / ``MessageReader``, straight on the socket's fd, so a
+small message costs one system call each way). Two kinds travel:
 
-A worker sends one unsolicited reply when it starts: ``(OK, EnvDescription)`` once the env
-is built, or ``(ERROR, RemoteFailure)`` if ``env_fn`` raised.
+- A pickled ``Request`` (plain ``pickle``; multiprocessing's own ``send`` builds a
+  ForkingPickler per message and reads twice, which together cost more than a CartPole
+  step). Its answer is a pickled ``Reply``.
+- A fast batch (``encode_fast_batch``): the steps and resets of some of the worker's envs,
+  whose actions and observations travel in the vector's shared memory. Its first byte is
+  below 0x80, which no pickle of protocol 2 or later starts with. The worker steps them all
+  in one wake-up and answers with one 4-byte DONE record on a "done" pipe shared by the
+  workers one parent thread collects; ``DONE_REPLY`` means a pickled ``Reply`` follows on
+  the worker's own pipe (infos, final observations, errors). ``seq`` (1 to 255) tells a late
+  record of a killed worker from the answer to the current request.
+
+A worker sends one unsolicited ``Reply`` when it starts: the list of its envs'
+``EnvDescription`` once all are built, or a ``RemoteFailure`` naming the env whose
+``env_fn`` raised.
 """
 
 from __future__ import annotations
@@ -21,40 +28,149 @@ import functools
 import os
 import pickle
 import struct
+from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
 
 
 class Command(enum.IntEnum):
-    """What the parent asks a worker to do."""
+    """What the parent asks a worker to do with one of its envs, or with several."""
 
-    RESET = 1  # payload: (seed, options, slot)
-    STEP = 2  # payload: (action, autoreset, slot); autoreset: reset a finished episode at once
+    BATCH = 1  # payload: list[Order]; the reply's value is list[Outcome]
     RENDER = 3  # payload: None
     CALL = 4  # payload: (name, args, kwargs)
     GET_ATTR = 5  # payload: name
     SET_ATTR = 6  # payload: (name, value)
-    CLOSE = 7  # payload: None; the worker closes the env, replies and exits
-    ATTACH = 8  # payload: (BatchLayout, env_index); the memory file's and done pipe's fds follow
+    CLOSE = 7  # payload: None; the worker closes its envs, replies and exits
+    ATTACH = 8  # payload: (BatchLayout, worker_index, env_indices); two fds follow
 
 
-# Shared-memory fast path. A request whose first byte is below 0x80 is one of these raw
-# messages, not a pickle (every pickle of protocol 2 or later starts with 0x80). Its
-# observation, reward and flags travel in shared memory. The worker does not answer on its
-# own pipe but writes a DONE record to a done pipe it shares with the other envs that one
-# parent thread collects, so that thread collects many replies with one read. ``seq`` (1 to
-# 255) tells a late record of a killed worker from the answer to the current request.
-FAST_STEP = 0x01  # bytes([FAST_STEP, slot, autoreset, seq]); the action is in shared memory
-FAST_RESET = 0x02  # bytes([FAST_RESET, slot, seq]); a reset with no seed and no options
-DONE_RECORD = struct.Struct("<HBB")  # env_index, seq, DONE_OK or DONE_REPLY; atomic in a pipe
-DONE_OK = 0  # everything is in shared memory
-DONE_REPLY = 1  # a framed reply follows on the worker's own pipe (an info dict, an error)
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One pickled command; ``position`` is the env's place in its worker (-1: the worker)."""
+
+    command: Command
+    position: int
+    payload: Any = None
 
 
-class Status(enum.IntEnum):
-    """Whether a request succeeded."""
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """The answer to a ``Request`` (or to a fast batch that had more to say than its record).
 
-    OK = 0
-    ERROR = 1
+    ``value`` is the result when ``failure`` is None.
+    """
+
+    value: Any = None
+    failure: RemoteFailure | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Order:
+    """A step or a reset of one env, as part of a batch for its worker.
+
+    Attributes:
+        position: The env's place in its worker.
+        is_reset: Reset the env instead of stepping it.
+        action: The action of a step, or None when it is in shared memory.
+        autoreset: Reset a finished episode in the same round trip (same-step autoreset).
+        seed: The reset's seed.
+        options: The reset's options.
+        slot: The shared observation slot to write into, or None to return the observation.
+    """
+
+    position: int
+    is_reset: bool
+    action: Any = None
+    autoreset: bool = False
+    seed: int | None = None
+    options: dict[str, Any] | None = None
+    slot: int | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Outcome:
+    """What one order produced.
+
+    On the shared-memory path ``obs`` is None when the observation is in its slot, and the
+    reward and flags are read from shared memory by the parent.
+
+    Attributes:
+        obs: The observation (for an autoreset step: the final one of the ended episode).
+        reward: The step's reward.
+        terminated: The step ended the episode.
+        truncated: The step cut the episode short.
+        info: The step's or reset's info.
+        reset: ``(obs, info)`` of the worker's same-step autoreset, when it did one.
+        failure: The env raised; everything else is meaningless.
+    """
+
+    obs: Any = None
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reset: tuple[Any, dict[str, Any]] | None = None
+    failure: RemoteFailure | None = None
+
+
+@dataclasses.dataclass
+class Batch:
+    """The steps and resets the parent asks of some envs of one worker, as arrays.
+
+    Attributes:
+        positions: The envs' places in their worker, one per item.
+        is_reset: Per item, reset the env instead of stepping it.
+        actions: One action per item (ignored for resets): an array with a leading axis for
+            array action spaces, else a list.
+        autoreset: Reset a finished episode in the same round trip (same-step autoreset).
+        seeds: Per item, the reset's seed; None for no seeds at all.
+        options: Per item, the reset's options; None for no options at all.
+    """
+
+    positions: list[int]
+    is_reset: np.ndarray
+    actions: Any
+    autoreset: bool = False
+    seeds: list[int | None] | None = None
+    options: list[dict[str, Any] | None] | None = None
+
+    def orders(self) -> list[Order]:
+        """The batch as one ``Order`` per item, for the pickled path."""
+        return [
+            Order(
+                position,
+                bool(self.is_reset[item]),
+                None if self.is_reset[item] else self.actions[item],
+                self.autoreset,
+                None if self.seeds is None else self.seeds[item],
+                None if self.options is None else self.options[item],
+            )
+            for item, position in enumerate(self.positions)
+        ]
+
+
+@dataclasses.dataclass
+class BatchResult:
+    """What a batch produced, item by item.
+
+    Attributes:
+        rewards: Per item; 0 for a reset.
+        terminated: Per item; False for a reset.
+        truncated: Per item; False for a reset.
+        obs: Per item, the observation the caller sees now (after a same-step autoreset, the
+            new episode's first); None when the observations are in shared memory.
+        extras: By item index, only where there is more to say: a non-empty info, a
+            same-step autoreset (``obs`` holds the final observation, ``reset`` the new
+            episode's info), or a failure.
+    """
+
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    obs: list[Any] | None
+    extras: dict[int, Outcome]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +193,14 @@ class RemoteFailure:
         message: ``str(exc)``.
         traceback: The worker's formatted traceback.
         exception: The exception itself when it could be pickled, else None.
+        position: The env that raised, when the failure concerns one env of the worker.
     """
 
     type_name: str
     message: str
     traceback: str
     exception: BaseException | None
+    position: int | None = None
 
 
 class RemoteTraceback(Exception):
@@ -97,6 +215,29 @@ class RemoteTraceback(Exception):
         """Show the traceback as the worker printed it."""
         return "\n\nworker traceback:\n" + self.traceback_text
 
+
+# ---------------------------------------------------------------- the fast batch
+
+FAST_BATCH = 0x01  # bytes([FAST_BATCH, seq]) + one FAST_ITEM per order
+FAST_ITEM = struct.Struct("<HB")  # position, flags
+IS_RESET, IS_AUTORESET, IS_SLOT_1 = 1, 2, 4  # the flags of a FAST_ITEM
+DONE_RECORD = struct.Struct("<HBB")  # worker_index, seq, DONE_OK or DONE_REPLY; atomic in a pipe
+DONE_OK = 0  # everything is in shared memory
+DONE_REPLY = 1  # a framed Reply follows on the worker's own pipe: {position: Outcome}
+
+
+def encode_fast_batch(seq: int, items: list[tuple[int, int]]) -> bytes:
+    """The framed request for a fast batch of ``(position, flags)`` items."""
+    body = bytes((FAST_BATCH, seq)) + b"".join([FAST_ITEM.pack(*item) for item in items])
+    return _HEADER.pack(len(body)) + body
+
+
+def decode_fast_batch(request: bytes) -> tuple[int, Iterator[tuple[int, int]]]:
+    """``seq`` and the ``(position, flags)`` items of a fast batch's payload."""
+    return request[1], FAST_ITEM.iter_unpack(memoryview(request)[2:])
+
+
+# ---------------------------------------------------------------- framing
 
 _HEADER = struct.Struct("!I")
 
@@ -163,7 +304,7 @@ WORKER_MODULE = "multienv.worker"
 def worker_main(*args: Any) -> None:
     """Process target: import the worker module in the child and run its loop.
 
-    The proxy names the worker through this function, so ``subprocess_env`` and ``worker``
+    The parent names the worker through this function, so the parent side and ``worker``
     never import each other.
     """
     import importlib

@@ -162,7 +162,8 @@ class SharedBatch:
         observation_space: The single-env observation space; see ``BatchLayout.supports``.
         action_space: The single-env action space.
         num_envs: How many envs the vector has.
-        groups: The envs each parent thread collects, one done pipe each; default one group.
+        worker_groups: The workers (by worker index) each parent thread collects, one done
+            pipe per group.
     """
 
     def __init__(
@@ -170,7 +171,7 @@ class SharedBatch:
         observation_space: gym.Space[Any],
         action_space: gym.Space[Any],
         num_envs: int,
-        groups: Sequence[Sequence[int]] | None = None,
+        worker_groups: Sequence[Sequence[int]],
     ) -> None:
         """Allocate the memory file and map it."""
         self.layout = BatchLayout(observation_space, action_space, num_envs)
@@ -178,37 +179,38 @@ class SharedBatch:
         os.ftruncate(self.fd, self.layout.size)
         self._mapping = _Mapping(self.layout, self.fd)
         self.slot = np.zeros(num_envs, dtype=np.int8)  # the slot holding each env's last obs
+        num_workers = sum(len(group) for group in worker_groups)
         self._done_pipes: list[tuple[int, int]] = []
-        self._done_pipe_of = [(-1, -1)] * num_envs
-        for group in groups if groups is not None else [range(num_envs)]:
+        self._done_pipe_of = [(-1, -1)] * num_workers
+        for group in worker_groups:
             read_fd, write_fd = os.pipe()
             os.set_blocking(read_fd, False)
             self._done_pipes.append((read_fd, write_fd))
-            for env_index in group:
-                self._done_pipe_of[env_index] = (read_fd, write_fd)
-        # Per env: the seq and kind of the last DONE record read (seq 0: none since taken).
-        self.done_seq = [0] * num_envs
-        self.done_kind = [0] * num_envs
+            for worker_index in group:
+                self._done_pipe_of[worker_index] = (read_fd, write_fd)
+        # Per worker: the seq and kind of the last DONE record read (seq 0: none since taken).
+        self.done_seq = [0] * num_workers
+        self.done_kind = [0] * num_workers
 
-    def done_read(self, env_index: int) -> int:
-        """The read end of the done pipe of that env's group."""
-        return self._done_pipe_of[env_index][0]
+    def done_read(self, worker_index: int) -> int:
+        """The read end of the done pipe of that worker's group."""
+        return self._done_pipe_of[worker_index][0]
 
-    def done_write(self, env_index: int) -> int:
-        """The write end of the done pipe of that env's group, for its worker."""
-        return self._done_pipe_of[env_index][1]
+    def done_write(self, worker_index: int) -> int:
+        """The write end of the done pipe of that worker's group, for the worker."""
+        return self._done_pipe_of[worker_index][1]
 
     def drain(self, read_fd: int) -> None:
-        """Read every DONE record that is in that pipe and note it under its env; never blocks."""
+        """Read every DONE record that is in that pipe and note it under its worker."""
         done_seq, done_kind = self.done_seq, self.done_kind
         while True:
             try:
                 data = os.read(read_fd, 65536)
             except BlockingIOError:
                 return
-            for env_index, seq, kind in DONE_RECORD.iter_unpack(data):
-                done_seq[env_index] = seq
-                done_kind[env_index] = kind
+            for worker_index, seq, kind in DONE_RECORD.iter_unpack(data):
+                done_seq[worker_index] = seq
+                done_kind[worker_index] = kind
             if len(data) < 65536:
                 return
 
@@ -217,15 +219,15 @@ class SharedBatch:
         """The shared action array, shape ``(num_envs, *action_shape)``, or None."""
         return self._mapping.actions
 
-    def read_result(self, env_index: int) -> tuple[float, bool, bool]:
-        """The reward, terminated and truncated flags that env's worker wrote last."""
-        mapping = self._mapping
-        flags = mapping.flags
-        return (
-            float(mapping.rewards[env_index]),
-            bool(flags[0, env_index]),
-            bool(flags[1, env_index]),
-        )
+    @property
+    def rewards(self) -> np.ndarray:
+        """The shared rewards, shape ``(num_envs,)``."""
+        return self._mapping.rewards
+
+    @property
+    def flags(self) -> np.ndarray:
+        """The shared terminated (row 0) and truncated (row 1) flags, shape ``(2, num_envs)``."""
+        return self._mapping.flags
 
     def read(self, env_index: int) -> Any:
         """A copy of the observation that env is on (its current slot)."""
@@ -268,47 +270,56 @@ class SharedBatch:
 
 
 class SlotWriter:
-    """WORKER SIDE: one env's view of the shared buffers: its action, slots and result.
+    """WORKER SIDE: a worker's view of the shared buffers: its envs' actions, slots and results.
 
     Args:
         layout: The vector's layout, as the parent sent it.
         fd: The memory file, received from the parent; closed once mapped.
         done_fd: The write end of the vector's done pipe, received from the parent; owned.
-        env_index: Which env's slots this worker may write.
+        worker_index: This worker's place among the vector's workers, for its DONE records.
+        env_indices: The vector's index of each env of the worker, by position (-1: none).
     """
 
-    def __init__(self, layout: BatchLayout, fd: int, done_fd: int, env_index: int) -> None:
-        """Map the memory file and pick out this env's rows."""
+    def __init__(
+        self,
+        layout: BatchLayout,
+        fd: int,
+        done_fd: int,
+        worker_index: int,
+        env_indices: Sequence[int],
+    ) -> None:
+        """Map the memory file."""
         try:
             self._mapping = _Mapping(layout, fd)
         finally:
             os.close(fd)
         self._done_fd = done_fd
-        self._env_index = env_index
-        self._obs = [(path, array[:, env_index]) for path, array in self._mapping.obs.items()]
-        space = layout.action_space
-        self._is_discrete = isinstance(space, gym.spaces.Discrete)
+        self._worker_index = worker_index
+        self.env_indices = list(env_indices)
+        self._obs = list(self._mapping.obs.items())
+        self._is_discrete = isinstance(layout.action_space, gym.spaces.Discrete)
 
-    def read_action(self) -> Any:
-        """This env's action, as the parent wrote it (a Python int for Discrete spaces)."""
+    def read_action(self, position: int) -> Any:
+        """The action of the env at ``position``, as the parent wrote it (int for Discrete)."""
         actions = self._mapping.actions
         assert actions is not None
         if self._is_discrete:
-            return int(actions[self._env_index])
-        return actions[self._env_index].copy()
+            return int(actions[self.env_indices[position]])
+        return actions[self.env_indices[position]].copy()
 
-    def write_obs(self, slot: int, obs: Any) -> None:
-        """Write ``obs`` into this env's ``slot``; the caller has checked its shape and dtype."""
-        for path, rows in self._obs:
-            rows[slot] = _dig(obs, path) if path else obs
+    def write_obs(self, position: int, slot: int, obs: Any) -> None:
+        """Write ``obs`` into the slot of the env at ``position``; its shape was checked."""
+        env_index = self.env_indices[position]
+        for path, array in self._obs:
+            array[slot, env_index] = _dig(obs, path) if path else obs
 
-    def write_result(self, reward: Any, terminated: Any, truncated: Any) -> None:
-        """Write the reward and the two flags of the step."""
-        mapping, i = self._mapping, self._env_index
-        mapping.rewards[i] = reward
-        mapping.flags[0, i] = terminated
-        mapping.flags[1, i] = truncated
+    def write_result(self, position: int, reward: Any, terminated: Any, truncated: Any) -> None:
+        """Write the reward and the two flags of a step."""
+        mapping, env_index = self._mapping, self.env_indices[position]
+        mapping.rewards[env_index] = reward
+        mapping.flags[0, env_index] = terminated
+        mapping.flags[1, env_index] = truncated
 
     def notify(self, seq: int, kind: int) -> None:
         """Tell the parent the request ``seq`` is done (``DONE_OK`` or ``DONE_REPLY``)."""
-        os.write(self._done_fd, DONE_RECORD.pack(self._env_index, seq, kind))
+        os.write(self._done_fd, DONE_RECORD.pack(self._worker_index, seq, kind))

@@ -206,10 +206,11 @@ def test_a_late_done_record_does_not_answer_the_next_request():
     with MultiEnv([functools.partial(SleepyEnv, 0.3)] * 2) as envs:
         envs.reset(seed=0)
         envs.step(np.ones(2, dtype=np.int64))
-        shared, proxy = envs._shared, envs.envs[0]
-        stale_seq = proxy._seq  # the request just answered, as a killed worker would leave it
+        handle = envs.envs[0].supervisor.handle
+        stale_seq = handle._seq  # the batch just answered, as a killed worker would leave it
         envs.send(np.ones(2, dtype=np.int64))
-        os.write(shared.done_write(0), DONE_RECORD.pack(0, stale_seq, DONE_OK))
+        done_pipe = envs._link._shared.done_write(0)  # worker 0's group
+        os.write(done_pipe, DONE_RECORD.pack(0, stale_seq, DONE_OK))
         began = time.monotonic()
         obs, *_ = envs.recv(batch_size=1)
         assert time.monotonic() - began > 0.2  # not answered at once by the stale record

@@ -1,0 +1,204 @@
+"""WORKER SIDE, no transport: hosts the k envs of one worker and runs orders on them.
+
+``EnvRunner`` builds its envs, describes them, resets and steps them (checking each
+observation against its space), serves ``call`` / ``get_attr`` / ``set_attr`` / ``render``,
+and packages env exceptions as ``RemoteFailure``. It knows nothing of pipes, shared memory
+or processes: the subprocess worker loop (``multienv.worker``) wraps it, and so can any
+other transport.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+
+from multienv.protocol import Command, EnvDescription, Outcome, RemoteFailure
+
+ObsCheck = Callable[[Any], "str | None"]
+PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
+
+
+class BuildError(Exception):
+    """An ``env_fn`` raised while the runner built its envs; ``failure`` names the env."""
+
+    def __init__(self, failure: RemoteFailure) -> None:
+        """Keep the packaged failure."""
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class EnvRunner:
+    """The envs of one worker, addressed by their position in it.
+
+    Args:
+        env_fn_bytes: The cloudpickled env factories, one per env of the worker.
+    """
+
+    def __init__(self, env_fn_bytes: Sequence[bytes]) -> None:
+        """Keep the factories; ``build()`` calls them."""
+        self._env_fn_bytes = list(env_fn_bytes)
+        self.envs: list[gym.Env[Any, Any]] = []
+        self._checks: list[ObsCheck | None] = []
+
+    def build(self) -> list[EnvDescription]:
+        """Build every env in order and describe it.
+
+        Raises:
+            BuildError: An ``env_fn`` raised; the envs built so far are closed.
+        """
+        for position, env_fn_bytes in enumerate(self._env_fn_bytes):
+            try:
+                env = cloudpickle.loads(env_fn_bytes)()
+            except Exception as exc:
+                self.close()
+                raise BuildError(package_failure(exc, position)) from exc
+            self.envs.append(env)
+            self._checks.append(make_obs_check(env.observation_space))
+        return [
+            EnvDescription(
+                observation_space=env.observation_space,
+                action_space=env.action_space,
+                metadata=dict(env.metadata),
+                render_mode=env.render_mode,
+                spec=_picklable_or_none(env.spec),
+            )
+            for env in self.envs
+        ]
+
+    def reset(
+        self, position: int, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset one env; its observation is checked against its space."""
+        obs, info = self.envs[position].reset(seed=seed, options=options)
+        self._check(position, obs)
+        return obs, info
+
+    def step(self, position: int, action: Any, autoreset: bool = False) -> Outcome:
+        """Step one env; with ``autoreset``, reset it at once if the step ended its episode."""
+        obs, reward, terminated, truncated, info = self.envs[position].step(action)
+        self._check(position, obs)
+        outcome = Outcome(obs, reward, terminated, truncated, info)
+        if autoreset and (terminated or truncated):
+            outcome.reset = self.reset(position)
+        return outcome
+
+    def call(self, position: int, command: Command, payload: Any) -> Any:
+        """Serve ``render``, ``call``, ``get_attr`` or ``set_attr`` for one env."""
+        env = self.envs[position]
+        if command is Command.RENDER:
+            return env.render()
+        if command is Command.CALL:
+            name, args, kwargs = payload
+            attr = env.get_wrapper_attr(name)
+            return attr(*args, **kwargs) if callable(attr) else attr
+        if command is Command.GET_ATTR:
+            return env.get_wrapper_attr(payload)
+        if command is Command.SET_ATTR:
+            env.set_wrapper_attr(*payload)
+            return None
+        raise ValueError(f"{command!r} is not a call of one env")
+
+    def close(self) -> None:
+        """Close every env that was built; errors in closing are reported on stderr."""
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - closing is best effort; the process exits next
+                traceback.print_exc()
+        self.envs = []
+
+    def _check(self, position: int, obs: Any) -> None:
+        check = self._checks[position]
+        if check is not None:
+            problem = check(obs)
+            if problem is not None:
+                raise ValueError(f"the observation {problem} (the env's observation_space)")
+
+
+def package_failure(exc: BaseException, position: int | None = None) -> RemoteFailure:
+    """Package an exception for the parent, keeping the object itself when it pickles."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        pickle.dumps(exc)
+        kept: BaseException | None = exc
+    except Exception:  # noqa: BLE001 - any pickling failure means "send the text only"
+        kept = None
+    return RemoteFailure(type(exc).__qualname__, str(exc), text, kept, position)
+
+
+def explain_unpicklable(name: str, outcome: Outcome, exc: Exception) -> TypeError:
+    """Name the info key (or the part of the reply) of ``name()`` that could not be pickled."""
+    infos = [outcome.info] + ([outcome.reset[1]] if outcome.reset is not None else [])
+    for info in infos:
+        for key, value in info.items():
+            try:
+                pickle.dumps(value)
+            except PICKLE_ERRORS as key_exc:
+                return TypeError(
+                    f"{name}() returned info[{key!r}] of type {type(value).__name__}, which "
+                    f"cannot be pickled ({key_exc}); return plain data in info"
+                )
+    return TypeError(f"the reply to {name}() cannot be pickled ({exc}); return plain data")
+
+
+def _picklable_or_none(value: Any) -> Any:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - a spec holding e.g. a lambda is dropped, not fatal
+        return None
+    return value
+
+
+def make_obs_check(space: gym.Space[Any]) -> ObsCheck | None:
+    """Return a cheap check of an observation's shape and dtype, or None if the space has none.
+
+    Shapes must match exactly. Dtypes must cast to the space's dtype within the same kind
+    (float64 into float32 is accepted, as Gymnasium's batching does; float into uint8 is not).
+    """
+    if isinstance(space, gym.spaces.Box):
+        shape, dtype = space.shape, space.dtype
+
+        def check_box(obs: Any) -> str | None:
+            array = obs if isinstance(obs, np.ndarray) else np.asarray(obs)
+            if array.shape != shape or not np.can_cast(array.dtype, dtype, "same_kind"):
+                return (
+                    f"has shape {array.shape} and dtype {array.dtype}; "
+                    f"expected shape {shape} and dtype {dtype}"
+                )
+            return None
+
+        return check_box
+    if isinstance(space, gym.spaces.Dict):
+        checks = {key: make_obs_check(sub) for key, sub in space.spaces.items()}
+
+        def check_dict(obs: Any) -> str | None:
+            if not isinstance(obs, dict) or obs.keys() != checks.keys():
+                keys = sorted(obs) if isinstance(obs, dict) else type(obs).__name__
+                return f"has keys {keys!r}; expected {sorted(checks)!r}"
+            for key, check in checks.items():
+                problem = check(obs[key]) if check is not None else None
+                if problem is not None:
+                    return f"[{key!r}] {problem}"
+            return None
+
+        return check_dict
+    if isinstance(space, gym.spaces.Tuple):
+        tuple_checks = [make_obs_check(sub) for sub in space.spaces]
+
+        def check_tuple(obs: Any) -> str | None:
+            if not isinstance(obs, tuple) or len(obs) != len(tuple_checks):
+                return f"is {type(obs).__name__}; expected a tuple of {len(tuple_checks)}"
+            for position, (check, item) in enumerate(zip(tuple_checks, obs, strict=True)):
+                problem = check(item) if check is not None else None
+                if problem is not None:
+                    return f"[{position}] {problem}"
+            return None
+
+        return check_tuple
+    return None
