@@ -76,13 +76,13 @@ class EnvRunner:
     ) -> tuple[Any, dict[str, Any]]:
         """Reset one env; its observation is checked against its space."""
         obs, info = self.envs[position].reset(seed=seed, options=options)
-        self._check(position, obs)
+        self.check(position, obs)
         return obs, info
 
     def step(self, position: int, action: Any, autoreset: bool = False) -> Outcome:
         """Step one env; with ``autoreset``, reset it at once if the step ended its episode."""
         obs, reward, terminated, truncated, info = self.envs[position].step(action)
-        self._check(position, obs)
+        self.check(position, obs)
         outcome = Outcome(obs, reward, terminated, truncated, info)
         if autoreset and (terminated or truncated):
             outcome.reset = self.reset(position)
@@ -113,7 +113,8 @@ class EnvRunner:
                 traceback.print_exc()
         self.envs = []
 
-    def _check(self, position: int, obs: Any) -> None:
+    def check(self, position: int, obs: Any) -> None:
+        """Raise ValueError if ``obs`` does not fit the observation space of that env."""
         check = self._checks[position]
         if check is not None:
             problem = check(obs)
@@ -164,9 +165,13 @@ def make_obs_check(space: gym.Space[Any]) -> ObsCheck | None:
     if isinstance(space, gym.spaces.Box):
         shape, dtype = space.shape, space.dtype
 
+        accepted: set[np.dtype[Any]] = set()  # dtypes seen to cast; can_cast costs a µs
+
         def check_box(obs: Any) -> str | None:
             array = obs if isinstance(obs, np.ndarray) else np.asarray(obs)
-            if array.shape != shape or not np.can_cast(array.dtype, dtype, "same_kind"):
+            if array.dtype not in accepted and np.can_cast(array.dtype, dtype, "same_kind"):
+                accepted.add(array.dtype)
+            if array.shape != shape or array.dtype not in accepted:
                 return (
                     f"has shape {array.shape} and dtype {array.dtype}; "
                     f"expected shape {shape} and dtype {dtype}"

@@ -299,13 +299,18 @@ class SlotWriter:
         self._obs = list(self._mapping.obs.items())
         self._is_discrete = isinstance(layout.action_space, gym.spaces.Discrete)
 
-    def read_action(self, position: int) -> Any:
-        """The action of the env at ``position``, as the parent wrote it (int for Discrete)."""
+    def read_actions(self, positions: Sequence[int]) -> list[Any]:
+        """The actions of the envs at ``positions`` as the parent wrote them (Discrete: ints)."""
         actions = self._mapping.actions
+        if not positions:
+            return []
         assert actions is not None
-        if self._is_discrete:
-            return int(actions[self.env_indices[position]])
-        return actions[self.env_indices[position]].copy()
+        env_indices = self.env_indices
+        if len(positions) == 1:
+            row = actions[env_indices[positions[0]]]
+            return [int(row)] if self._is_discrete else [row.copy()]
+        rows = actions[[env_indices[position] for position in positions]]
+        return rows.tolist() if self._is_discrete else list(rows)
 
     def write_obs(self, position: int, slot: int, obs: Any) -> None:
         """Write ``obs`` into the slot of the env at ``position``; its shape was checked."""
@@ -313,12 +318,27 @@ class SlotWriter:
         for path, array in self._obs:
             array[slot, env_index] = _dig(obs, path) if path else obs
 
-    def write_result(self, position: int, reward: Any, terminated: Any, truncated: Any) -> None:
-        """Write the reward and the two flags of a step."""
-        mapping, env_index = self._mapping, self.env_indices[position]
-        mapping.rewards[env_index] = reward
-        mapping.flags[0, env_index] = terminated
-        mapping.flags[1, env_index] = truncated
+    def write_results(
+        self,
+        positions: Sequence[int],
+        rewards: Sequence[Any],
+        terminations: Sequence[Any],
+        truncations: Sequence[Any],
+    ) -> None:
+        """Write the rewards and the two flags of the envs at ``positions``."""
+        if not positions:
+            return
+        mapping, env_indices = self._mapping, self.env_indices
+        if len(positions) == 1:
+            env_index = env_indices[positions[0]]
+            mapping.rewards[env_index] = rewards[0]
+            mapping.flags[0, env_index] = terminations[0]
+            mapping.flags[1, env_index] = truncations[0]
+            return
+        index = [env_indices[position] for position in positions]
+        mapping.rewards[index] = rewards
+        mapping.flags[0, index] = terminations
+        mapping.flags[1, index] = truncations
 
     def notify(self, seq: int, kind: int) -> None:
         """Tell the parent the request ``seq`` is done (``DONE_OK`` or ``DONE_REPLY``)."""

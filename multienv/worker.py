@@ -154,21 +154,23 @@ class _Loop:
         )
         write_message(self.fd, encode(Reply()))
 
-    def _run(self, order: Order, action: Any) -> Outcome:
-        """Run one order; an env exception becomes the outcome's failure (siblings go on)."""
+    def _run(self, order: Order) -> Outcome:
+        """Run one pickled order; an env exception becomes its failure (siblings go on)."""
         runner, writer, position, slot = self.runner, self.writer, order.position, order.slot
         try:
             if order.is_reset:
                 obs, info = runner.reset(position, order.seed, order.options)
                 outcome = Outcome(obs, info=info)
             else:
-                outcome = runner.step(position, action, order.autoreset)
+                outcome = runner.step(position, order.action, order.autoreset)
         except Exception as exc:  # noqa: BLE001 - reported for this env only
             return Outcome(failure=package_failure(exc, position))
         if slot is None:
             return outcome
         assert writer is not None
-        writer.write_result(position, outcome.reward, outcome.terminated, outcome.truncated)
+        writer.write_results(
+            [position], [outcome.reward], [outcome.terminated], [outcome.truncated]
+        )
         if outcome.reset is not None:  # the slot gets the new episode's first obs
             writer.write_obs(position, slot, outcome.reset[0])
             outcome.reset = (None, outcome.reset[1])  # the final obs stays in the reply
@@ -178,32 +180,57 @@ class _Loop:
         return outcome
 
     def _batch(self, orders: list[Order]) -> list[Outcome]:
-        return [self._run(order, order.action) for order in orders]
+        return [self._run(order) for order in orders]
 
     def _fast_batch(self, request: bytes) -> None:
+        """Run a fast batch: everything but infos and errors goes through shared memory.
+
+        Kept free of per-env objects: on cheap envs the loop costs as much as the envs.
+        """
         writer = self.writer
         assert writer is not None
-        seq, items = decode_fast_batch(request)
+        seq, raw_items = decode_fast_batch(request)
+        items = list(raw_items)
+        runner = self.runner
+        envs, check = runner.envs, runner.check
+        actions = writer.read_actions(
+            [position for position, flags in items if not flags & IS_RESET]
+        )
         extras: dict[int, Outcome] = {}
         resets: set[int] = set()
+        done_positions: list[int] = []
+        rewards: list[Any] = []
+        terminations: list[Any] = []
+        truncations: list[Any] = []
+        next_action = 0
         for position, flags in items:
-            is_reset = bool(flags & IS_RESET)
-            order = Order(
-                position,
-                is_reset,
-                autoreset=bool(flags & IS_AUTORESET),
-                slot=(flags & IS_SLOT_1) >> 2,
-            )
-            outcome = self._run(order, None if is_reset else writer.read_action(position))
-            if is_reset:
-                resets.add(position)
-            if (
-                outcome.info
-                or outcome.failure is not None
-                or outcome.obs is not None
-                or outcome.reset is not None
-            ):
-                extras[position] = outcome
+            try:
+                if flags & IS_RESET:
+                    resets.add(position)
+                    obs, info = envs[position].reset()
+                    check(position, obs)
+                    reward, terminated, truncated = 0.0, False, False
+                else:
+                    action = actions[next_action]
+                    next_action += 1
+                    obs, reward, terminated, truncated, info = envs[position].step(action)
+                    check(position, obs)
+                    if flags & IS_AUTORESET and (terminated or truncated):
+                        final_obs, final_info = obs, info
+                        obs, info = runner.reset(position)
+                        extras[position] = Outcome(final_obs, info=final_info, reset=(None, info))
+                        info = {}
+            except Exception as exc:  # noqa: BLE001 - reported for this env only; siblings go on
+                extras[position] = Outcome(failure=package_failure(exc, position))
+                continue
+            if info:
+                extras[position] = Outcome(info=info)
+            writer.write_obs(position, (flags & IS_SLOT_1) >> 2, obs)
+            done_positions.append(position)
+            rewards.append(reward)
+            terminations.append(terminated)
+            truncations.append(truncated)
+        writer.write_results(done_positions, rewards, terminations, truncations)
         if not extras:
             writer.notify(seq, DONE_OK)
             return

@@ -1,0 +1,269 @@
+"""The MultiEnv contract for every layout: one env per worker, k=3 with N=7, all envs in one.
+
+Each test runs once per layout (``envs_per_worker`` 1, 3 and N, with N=7 so that 3 does
+not divide it), the way SB3 runs its VecEnv suite once per backend.
+"""
+
+import functools
+import os
+import signal
+import threading
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+from multienv import EnvCrashLoopError, EnvError, MultiEnv, RestartPolicy
+from tests.conftest import live_workers
+from tests.envs import (
+    CountingEnv,
+    DictObsEnv,
+    HangOnStep,
+    RaiseOnStep,
+    SegfaultEveryStep,
+    SegfaultOnceOnStep,
+    SlowReset,
+    TextObsEnv,
+)
+from tests.test_multi_env import assert_same_tree
+
+N = 7
+LAYOUTS = [1, 3, N]
+MODES = list(AutoresetMode)
+layouts = pytest.mark.parametrize("k", LAYOUTS, ids=lambda k: f"k{k}")
+modes = pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+
+
+def cartpole():
+    return gym.make("CartPole-v1")
+
+
+def worker_of(envs, env_index):
+    """The env indices that share env_index's worker process."""
+    pid = envs.envs[env_index].pid
+    return [i for i, proxy in enumerate(envs.envs) if proxy.pid == pid]
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@layouts
+def test_env_i_lives_in_worker_i_floor_k_and_pid_names_its_process(k):
+    with MultiEnv([CountingEnv] * N, envs_per_worker=k) as envs:
+        pids = [proxy.pid for proxy in envs.envs]
+        assert len(set(pids)) == -(-N // k)
+        for i in range(N):
+            assert pids[i] == pids[(i // k) * k]
+        for i, proxy in enumerate(envs.envs):
+            assert proxy.env_index == i
+    assert live_workers() == []
+
+
+@layouts
+@modes
+@pytest.mark.parametrize("factory", [cartpole, DictObsEnv, TextObsEnv], ids=lambda f: f.__name__)
+def test_matches_sync_vector_env_step_by_step(k, mode, factory):
+    fns = [factory] * N
+    ours = MultiEnv(fns, autoreset_mode=mode, envs_per_worker=k)
+    ref = SyncVectorEnv(fns, autoreset_mode=mode)
+    try:
+        assert_same_tree(ours.reset(seed=11), ref.reset(seed=11), "reset")
+        ref.action_space.seed(11)
+        ended = 0
+        for t in range(200):
+            actions = ref.action_space.sample()
+            got, want = ours.step(actions), ref.step(actions)
+            assert_same_tree(list(got), list(want), f"step {t}")
+            done = want[2] | want[3]
+            ended += int(done.sum())
+            if mode is AutoresetMode.DISABLED and done.any():
+                options = {"reset_mask": done}
+                assert_same_tree(ours.reset(options=dict(options)), ref.reset(options=options), t)
+        assert ended > N
+    finally:
+        ours.close()
+        ref.close()
+
+
+@pytest.mark.fault
+@layouts
+@modes
+def test_sigkill_of_a_worker_truncates_each_of_its_envs_and_leaves_the_rest(k, mode):
+    fns = [cartpole] * N
+    ours = MultiEnv(fns, autoreset_mode=mode, envs_per_worker=k)
+    ref = SyncVectorEnv(fns, autoreset_mode=mode)
+    try:
+        obs, _ = ours.reset(seed=5)
+        ref.reset(seed=5)
+        actions = np.ones(N, dtype=np.int64)
+        for _ in range(3):
+            obs, *_ = ours.step(actions)
+            ref.step(actions)
+        victims = worker_of(ours, 4)
+        others = [i for i in range(N) if i not in victims]
+        seen = obs[victims].copy()
+        old_pid = ours.envs[4].pid
+        os.kill(old_pid, signal.SIGKILL)
+        obs, rewards, terminations, truncations, infos = ours.step(actions)
+        want = ref.step(actions)
+        assert truncations[victims].all() and not terminations[victims].any()
+        assert (rewards[victims] == 0.0).all()
+        assert infos["_multienv"].tolist() == [i in victims for i in range(N)]
+        assert all(infos["multienv"]["cause"][i] == "SIGKILL" for i in victims)
+        if mode is AutoresetMode.SAME_STEP:
+            np.testing.assert_array_equal(np.stack(infos["final_obs"][victims]), seen)
+        else:
+            np.testing.assert_array_equal(obs[victims], seen)
+        # The envs of other workers are untouched: still equal to the reference.
+        np.testing.assert_array_equal(obs[others], want[0][others])
+        np.testing.assert_array_equal(rewards[others], want[1][others])
+        if mode is AutoresetMode.DISABLED:
+            ours.reset(options={"reset_mask": truncations.copy()})
+        assert ours.envs[4].pid != old_pid
+        for t in range(300):
+            obs, rewards, terminations, truncations, infos = ours.step(actions)
+            want = ref.step(actions)
+            np.testing.assert_array_equal(obs[others], want[0][others], err_msg=f"step {t}")
+            assert "multienv" not in infos
+            for reference, result in (
+                (ref, want),
+                (ours, (obs, rewards, terminations, truncations)),
+            ):
+                done = result[2] | result[3]
+                if mode is AutoresetMode.DISABLED and done.any():
+                    reference.reset(options={"reset_mask": done})
+        stats = ours.stats()
+        assert [row["restarts"] for row in stats] == [int(i in victims) for i in range(N)]
+    finally:
+        ours.close()
+        ref.close()
+    assert live_workers() == []
+
+
+@pytest.mark.fault
+@layouts
+def test_segfault_in_one_env_truncates_its_worker_mates(k, tmp_path):
+    marker = str(tmp_path / "segv")
+    fns = [CountingEnv] * N
+    fns[5] = functools.partial(SegfaultOnceOnStep, marker, at_count=3)
+    with MultiEnv(fns, envs_per_worker=k) as envs:
+        envs.reset()
+        victims = worker_of(envs, 5)
+        for _ in range(2):
+            envs.step(np.ones(N, dtype=np.int64))
+        obs, _, _, truncations, infos = envs.step(np.ones(N, dtype=np.int64))
+        assert np.flatnonzero(truncations).tolist() == victims
+        assert all(infos["multienv"]["cause"][i] == "SIGSEGV" for i in victims)
+        others = [i for i in range(N) if i not in victims]
+        assert obs[others, 0].tolist() == [3.0 if i != 5 else 0.0 for i in others]
+        for _ in range(100):
+            envs.step(np.ones(N, dtype=np.int64))
+        assert [row["restarts"] for row in envs.stats()] == [int(i in victims) for i in range(N)]
+
+
+@pytest.mark.fault
+@layouts
+def test_hang_past_step_timeout_kills_the_worker_and_truncates_its_envs(k):
+    fns = [CountingEnv] * N
+    fns[2] = functools.partial(HangOnStep, at_count=2)
+    with MultiEnv(fns, envs_per_worker=k, step_timeout=0.5) as envs:
+        envs.reset()
+        victims = worker_of(envs, 2)
+        hung = envs.envs[2].pid
+        envs.step(np.ones(N, dtype=np.int64))
+        _, _, _, truncations, infos = envs.step(np.ones(N, dtype=np.int64))
+        assert np.flatnonzero(truncations).tolist() == victims
+        assert all(infos["multienv"]["cause"][i] == "timeout" for i in victims)
+        assert envs.envs[2].pid != hung
+
+
+@pytest.mark.fault
+@layouts
+def test_env_error_in_one_env_names_it_and_its_siblings_are_neither_lost_nor_stepped_twice(k):
+    fns = [CountingEnv] * N
+    fns[4] = functools.partial(RaiseOnStep, at_count=2)
+    with MultiEnv(fns, envs_per_worker=k) as envs:
+        envs.reset()
+        pids = [proxy.pid for proxy in envs.envs]
+        envs.step(np.ones(N, dtype=np.int64))
+        with pytest.raises(EnvError, match=r"env 4: .*ValueError in step\(\): boom") as caught:
+            envs.step(np.ones(N, dtype=np.int64))
+        assert caught.value.env_index == 4
+        assert [proxy.pid for proxy in envs.envs] == pids  # no worker died
+        counts = envs.get_attr("count")
+        assert counts == tuple(2 for _ in range(N))  # every env stepped exactly twice
+        envs.reset()
+        obs, *_ = envs.step(np.ones(N, dtype=np.int64))
+        assert obs[:, 0].tolist() == [1.0] * N
+
+
+@pytest.mark.fault
+@layouts
+def test_crash_loop_in_a_shared_worker_raises_crash_loop_error_naming_an_env_of_it(k):
+    fns = [CountingEnv] * N
+    fns[6] = SegfaultEveryStep
+    policy = RestartPolicy(max_restarts=2, window_s=60, backoff=0.01)
+    with MultiEnv(fns, envs_per_worker=k, restart_policy=policy) as envs:
+        victims = worker_of(envs, 6)
+        envs.reset()
+        for _ in range(2):
+            envs.step(np.ones(N, dtype=np.int64))
+            envs.step(np.ones(N, dtype=np.int64))  # NextStep: the victims reset here
+        with pytest.raises(EnvCrashLoopError) as caught:
+            envs.step(np.ones(N, dtype=np.int64))
+        assert caught.value.env_index == victims[0]
+        assert caught.value.cause == "SIGSEGV"
+        assert "about to dereference NULL" in caught.value.stderr_tail
+    assert live_workers() == []
+
+
+@pytest.mark.fault
+@layouts
+def test_worker_killed_during_reset_replays_it_for_each_of_its_envs(k):
+    with MultiEnv([functools.partial(SlowReset, 0.2)] * N, envs_per_worker=k) as envs:
+        victim = envs.envs[N - 1].pid
+        timer = threading.Timer(0.1, os.kill, (victim, signal.SIGKILL))
+        timer.start()
+        obs, infos = envs.reset(seed=3)
+        timer.join()
+        assert obs[:, 0].tolist() == [0.0] * N
+        assert infos["seed_used"].tolist() == [3 + i for i in range(N)]
+        assert envs.envs[N - 1].pid != victim
+        assert envs.stats()[N - 1]["restarts"] == 1
+
+
+@layouts
+def test_send_recv_partial_batches(k):
+    with MultiEnv([CountingEnv] * N, envs_per_worker=k) as envs:
+        envs.reset()
+        envs.send(np.ones(N, dtype=np.int64))
+        seen = []
+        obs, rewards, _, _, infos = envs.recv(batch_size=2)
+        assert len(infos["env_id"]) == 2 and obs[:, 0].tolist() == [1.0, 1.0]
+        seen += infos["env_id"].tolist()
+        envs.send(np.ones(2, dtype=np.int64), infos["env_id"])
+        while len(seen) < N + 2:
+            *_, infos = envs.recv(batch_size=1)
+            seen += infos["env_id"].tolist()
+        assert sorted(seen) == sorted([*range(N), *seen[:2]])
+        assert [row["steps"] for row in envs.stats()] == [
+            2 if i in seen[:2] else 1 for i in range(N)
+        ]
+
+
+@pytest.mark.fault
+@layouts
+def test_close_is_bounded_and_leaves_no_process_fd_or_shared_memory(k):
+    fds_before = open_fds()
+    shm_before = set(os.listdir("/dev/shm"))
+    fns = [CountingEnv] * N
+    fns[1] = functools.partial(HangOnStep, at_count=1)
+    envs = MultiEnv(fns, envs_per_worker=k)
+    envs.reset()
+    envs.step_async(np.ones(N, dtype=np.int64))
+    envs.close(timeout=0.5)
+    assert live_workers() == []
+    assert open_fds() <= fds_before
+    assert set(os.listdir("/dev/shm")) <= shm_before
