@@ -50,6 +50,7 @@ class _Worker:
     env_ids: list[int]  # vector indices, ascending
     positions: list[int]  # their places in the worker
     index: Any  # env_ids as a slice when contiguous, else an index array
+    position_array: Any = None  # positions as an index array
 
 
 # What one worker's batch came back as: its result and errors by env index, or one error
@@ -650,7 +651,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
         def make_batch(worker: _Worker) -> Batch:
             return Batch(
-                worker.positions,
+                worker.position_array,
                 resets[worker.index],
                 batch_actions[worker.index]
                 if isinstance(batch_actions, np.ndarray)
@@ -859,6 +860,7 @@ def _group_by_worker(proxies: Sequence[RemoteEnv]) -> list[_Worker]:
         workers[key].env_ids.append(env_index)
         workers[key].positions.append(proxy.position)
     for worker in workers.values():
+        worker.position_array = np.asarray(worker.positions, dtype=np.intp)
         first, count = worker.env_ids[0], len(worker.env_ids)
         if worker.env_ids == list(range(first, first + count)):
             worker.index = slice(first, first + count)

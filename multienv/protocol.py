@@ -129,7 +129,7 @@ class Batch:
         options: Per item, the reset's options; None for no options at all.
     """
 
-    positions: list[int]
+    positions: list[int] | np.ndarray
     is_reset: np.ndarray
     actions: Any
     autoreset: bool = False

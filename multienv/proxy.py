@@ -371,7 +371,7 @@ class WorkerSupervisor:
         that death's truncation.
         """
         if self._state is not EnvState.READY:
-            first = self.env_indices[batch.positions[0]] if batch.positions else 0
+            first = self.env_indices[batch.positions[0]] if len(batch.positions) else 0
             self.require(EnvState.READY, "step", first)
         if self._pending is not None:
             self._discard_pending()
@@ -389,7 +389,7 @@ class WorkerSupervisor:
         num_resets = int(np.count_nonzero(sent.is_reset))
         deadline = self._batch_deadline(len(sent.positions) - num_resets, num_resets)
         self._pending = _Pending(batch, sent, sent_items, lost, None, deadline, time.perf_counter())
-        if sent.positions:
+        if len(sent.positions):
             self.handle.submit_batch(sent)
 
     def finish(self) -> tuple[BatchResult, dict[int, Exception]]:
@@ -407,7 +407,7 @@ class WorkerSupervisor:
         batch, sent = pending.batch, pending.sent
         assert sent is not None
         collected = (
-            self.handle.collect_batch(pending.deadline) if sent.positions else _empty_result(0)
+            self.handle.collect_batch(pending.deadline) if len(sent.positions) else _empty_result(0)
         )
         self._pending = None
         if isinstance(collected, Death):
@@ -528,11 +528,11 @@ class WorkerSupervisor:
             is_step = is_step.copy()
             is_step[failed] = False
         if is_step.any():
-            positions = np.asarray(batch.positions)
-            np.add.at(self.steps, positions[is_step], 1)
+            positions = np.asarray(batch.positions)  # distinct within a batch, so += counts
+            self.steps[positions[is_step]] += 1
             done = is_step & (result.terminated | result.truncated)
             if done.any():
-                np.add.at(self.episodes, positions[done], 1)
+                self.episodes[positions[done]] += 1
             self.step_latencies_s.append(elapsed)
         if result.obs is not None:
             for item, position in enumerate(batch.positions):

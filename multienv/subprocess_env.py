@@ -159,6 +159,7 @@ class ProcessHandle:
         self._shared: SharedBatch | None = None
         self._worker_index = -1
         self._env_indices: list[int] = []  # the vector's index of each env, by position
+        self._env_index_array = np.zeros(0, dtype=np.intp)
         self._done_read = -1
         self._seq = 0  # of the last fast batch, 1 to 255
         self._notify_seq = 0  # the in-flight fast batch's seq; 0 when its reply is a message
@@ -297,7 +298,7 @@ class ProcessHandle:
             self._batch_env_ids = None
             self._send(frame(encode(Request(Command.BATCH, -1, batch.orders()))))
             return
-        env_ids = np.asarray(self._env_indices)[batch.positions]
+        env_ids = self._env_index_array[batch.positions]
         slots = 1 - shared.slot[env_ids]  # never the slot the caller saw last
         self._batch_env_ids, self._batch_slots = env_ids, slots
         is_reset = batch.is_reset
@@ -443,6 +444,7 @@ class ProcessHandle:
                 pass
         self._shared, self._worker_index = shared, worker_index
         self._env_indices = list(env_indices)
+        self._env_index_array = np.asarray(self._env_indices, dtype=np.intp)
         self._done_read = -1 if shared is None else shared.done_read(worker_index)
         if shared is not None and self._poller is not None:
             self._poller.register(self._done_read, select.POLLIN)
