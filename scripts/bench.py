@@ -1,16 +1,24 @@
-"""Benchmark multienv against Gymnasium, SB3 and Tianshou; time start-up, respawn and memory.
+"""Benchmark multienv against Gymnasium, SB3 and PufferLib; time start-up, respawn and memory.
 
 Run:
-    python scripts/bench.py              # 4 workloads x N in {2, 8, 16}, 3 rounds (~15 min)
-    python scripts/bench.py --quick      # N = 8 only, 1 round (~2 min)
-    pip install -e ".[bench]"            # adds SB3 and Tianshou to the comparison
+    python scripts/bench.py              # 6 cells (workload:N), 3 rounds (~20 min on 2 cores)
+    python scripts/bench.py --quick      # cheap N=16 only, 1 round (~2 min)
+    pip install -e ".[bench]"            # adds SB3 to the comparison (install torch's CPU
+                                         # build first on a machine without a GPU)
 
-Workloads: cheap (CartPole-v1), heavy (1 ms of CPU per step), bigobs (210x160x3 uint8
-observations), straggler (0.2 ms of CPU per step; 5% of steps also sleep 10 ms).
-Implementations are interleaved in rounds; each figure is the median over rounds, and each
-ratio is the median of the ratios measured within one round, so a noisy neighbour slows
-both sides of a ratio alike. "multienv async" keeps every env in flight with
-``send``/``recv(batch_size=N // 2)``; the others step the whole batch in lock step.
+PufferLib (``pufferlib.vector.Multiprocessing``, 1 and 2 workers, all envs in one batch) is
+measured when it is installed; it is not a dependency of multienv (README.rst says how it was
+installed here). Workloads: cheap (CartPole-v1), heavy (1 ms of CPU per step), bigobs
+(210x160x3 uint8 observations), straggler (0.2 ms of CPU per step; 5% of steps also sleep
+10 ms). multienv runs with ``envs_per_worker`` k in {1, N/2, N}; "multienv async" keeps
+every env in flight with ``send``/``recv(batch_size=N // 2)``; the others step the whole
+batch in lock step. Shared-memory vectors return views (``copy=False``), as PufferLib does.
+
+Every sample runs in a fresh process; implementations are interleaved in rounds; each
+figure is the median over rounds, and each ratio is the median of the ratios measured
+within one round, so a noisy neighbour slows both sides of a ratio alike. "cores" is how
+many of the machine's cores were busy during the timed section (from /proc/stat), and
+"CPU us/step" that busy time per env step: a spin-waiting design shows up there.
 """
 
 from __future__ import annotations
@@ -36,12 +44,11 @@ from multienv import MultiEnv, RestartPolicy, SubprocessEnv
 
 @dataclasses.dataclass
 class Args:
-    num_envs: str = "2,8,16"  # comma-separated values of N
-    workloads: str = "cheap,heavy,bigobs,straggler"  # comma-separated
+    cells: str = "cheap:8,cheap:16,cheap:64,bigobs:16,heavy:16,straggler:8"  # workload:N, ...
     rounds: int = 3  # interleaved rounds; medians are reported
-    seconds: float = 1.0  # rough wall time of one measurement
+    seconds: float = 1.0  # rough wall time of the sequential loop's measurement
     kills: int = 50  # SIGKILLs for the respawn measurement
-    quick: bool = False  # N = 8 and 1 round only
+    quick: bool = False  # cheap N=16 only, 1 round
     json_out: str = "bench-results.json"  # where every sample is written
     child: str = ""  # internal: run one fresh-process measurement and print it as JSON
 
@@ -129,36 +136,58 @@ WORKLOADS: dict[str, tuple[Callable[[], gym.Env], int]] = {
 # ----------------------------------------------------------------- implementations
 
 
-def run_loop(fns: list[Callable[[], gym.Env]], vector_steps: int) -> float:
+def busy_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine so far, from /proc/stat."""
+    fields = [int(v) for v in open("/proc/stat").readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class Timer:
+    """Wall time and cores busy (machine-wide, from /proc/stat) over a timed section."""
+
+    def __enter__(self) -> Timer:
+        self.busy0, self.total0 = busy_jiffies()
+        self.began = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall_s = time.perf_counter() - self.began
+        busy, total = busy_jiffies()
+        cores = os.cpu_count() or 1
+        self.cores_busy = cores * (busy - self.busy0) / max(1, total - self.total0)
+
+
+def run_loop(fns: list[Callable[[], gym.Env]], vector_steps: int) -> Timer:
     envs = [fn() for fn in fns]
     for i, env in enumerate(envs):
         env.reset(seed=i)
-    began = time.perf_counter()
-    for _ in range(vector_steps):
-        for env in envs:
-            _, _, terminated, truncated, _ = env.step(0)
-            if terminated or truncated:
-                env.reset()
-    return vector_steps * len(envs) / (time.perf_counter() - began)
+    with Timer() as timer:
+        for _ in range(vector_steps):
+            for env in envs:
+                _, _, terminated, truncated, _ = env.step(0)
+                if terminated or truncated:
+                    env.reset()
+    return timer
 
 
-def run_vector(build: Callable[[], Any], n: int, vector_steps: int) -> float:
-    """Steps/s of a vector env with Gymnasium's (or SB3's) autoresetting ``step``."""
+def run_vector(build: Callable[[], Any], n: int, vector_steps: int) -> Timer:
+    """A vector env with Gymnasium's (or SB3's) autoresetting ``step``."""
     envs = build()
     try:
         envs.reset()
         actions = np.zeros(n, dtype=np.int64)
         for _ in range(20):
             envs.step(actions)
-        began = time.perf_counter()
-        for _ in range(vector_steps):
-            envs.step(actions)
-        return vector_steps * n / (time.perf_counter() - began)
+        with Timer() as timer:
+            for _ in range(vector_steps):
+                envs.step(actions)
+        return timer
     finally:
         envs.close()
 
 
-def run_tianshou(fns: list[Callable[[], gym.Env]], vector_steps: int) -> float:
+def run_tianshou(fns: list[Callable[[], gym.Env]], vector_steps: int) -> Timer:
     from tianshou.env import ShmemVectorEnv
 
     n = len(fns)
@@ -166,103 +195,163 @@ def run_tianshou(fns: list[Callable[[], gym.Env]], vector_steps: int) -> float:
     try:
         envs.reset()
         actions = np.zeros(n, dtype=np.int64)
-        began = time.perf_counter()
-        for _ in range(vector_steps):
-            _, _, terminated, truncated, _ = envs.step(actions)
-            done = np.flatnonzero(np.logical_or(terminated, truncated))
-            if done.size:
-                envs.reset(done)  # Tianshou leaves resets to the caller
-        return vector_steps * n / (time.perf_counter() - began)
+        with Timer() as timer:
+            for _ in range(vector_steps):
+                _, _, terminated, truncated, _ = envs.step(actions)
+                done = np.flatnonzero(np.logical_or(terminated, truncated))
+                if done.size:
+                    envs.reset(done)  # Tianshou leaves resets to the caller
+        return timer
     finally:
         envs.close()
 
 
-def run_multienv_async(fns: list[Callable[[], gym.Env]], vector_steps: int) -> float:
+def run_pufferlib(fns: list[Callable[[], gym.Env]], workers: int, vector_steps: int) -> Timer:
+    """PufferLib's Multiprocessing backend, all envs in one batch (it resets envs itself)."""
+    import pufferlib.emulation
+    import pufferlib.vector
+
+    n = len(fns)
+    creator = functools.partial(pufferlib.emulation.GymnasiumPufferEnv, env_creator=fns[0])
+    envs = pufferlib.vector.make(
+        creator,
+        backend=pufferlib.vector.Multiprocessing,
+        num_envs=n,
+        num_workers=workers,
+        batch_size=n,
+        overwork=True,
+    )
+    try:
+        envs.async_reset(0)
+        envs.recv()
+        actions = np.zeros(n, dtype=np.int32)
+        for _ in range(20):
+            envs.send(actions)
+            envs.recv()
+        with Timer() as timer:
+            for _ in range(vector_steps):
+                envs.send(actions)
+                envs.recv()
+        return timer
+    finally:
+        envs.close()
+
+
+def run_multienv_async(fns: list[Callable[[], gym.Env]], vector_steps: int) -> Timer:
     n = len(fns)
     batch_size = max(1, n // 2)
     with MultiEnv(fns) as envs:
         envs.reset()
         envs.send(np.zeros(n, dtype=np.int64))
         actions = np.zeros(batch_size, dtype=np.int64)
-        target = vector_steps * n
-        done = 0
-        began = time.perf_counter()
-        while done < target:
-            *_, infos = envs.recv(batch_size=batch_size)
-            done += batch_size
-            envs.send(actions, infos["env_id"])
-        rate = done / (time.perf_counter() - began)
+        with Timer() as timer:
+            for _ in range(2 * vector_steps):
+                *_, infos = envs.recv(batch_size=batch_size)
+                envs.send(actions, infos["env_id"])
         envs.recv()
-    return rate
+    timer.wall_s *= n / (2 * batch_size)  # the same env steps as vector_steps full batches
+    return timer
 
 
-def implementations(fns: list[Callable[[], gym.Env]]) -> dict[str, Callable[[int], float]]:
-    n = len(fns)
-    impls: dict[str, Callable[[int], float]] = {
-        "sequential loop": lambda steps: run_loop(fns, steps),
-        "gymnasium SyncVectorEnv": lambda steps: run_vector(
-            lambda: gym.vector.SyncVectorEnv(fns), n, steps
-        ),
-        "gymnasium AsyncVectorEnv": lambda steps: run_vector(
-            lambda: gym.vector.AsyncVectorEnv(fns, shared_memory=True), n, steps
-        ),
-    }
+def is_installed(module: str) -> bool:
     try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def implementations(n: int) -> list[str]:
+    """The names of the implementations measured at N envs (optional ones when installed)."""
+    names = ["sequential loop", "gymnasium AsyncVectorEnv"]
+    if is_installed("stable_baselines3"):
+        names.append("SB3 SubprocVecEnv")
+    if is_installed("tianshou"):
+        names.append("Tianshou ShmemVectorEnv")
+    if is_installed("pufferlib.vector"):
+        names += [f"PufferLib workers={w}" for w in (1, 2) if n % w == 0]
+    names += [f"multienv k={k}" for k in sorted({1, max(1, n // 2), n})]
+    names.append("multienv async k=1")
+    return names
+
+
+def run_implementation(name: str, fns: list[Callable[[], gym.Env]], steps: int) -> Timer:
+    n = len(fns)
+    if name == "sequential loop":
+        return run_loop(fns, steps)
+    if name == "gymnasium AsyncVectorEnv":
+        return run_vector(
+            lambda: gym.vector.AsyncVectorEnv(fns, shared_memory=True, copy=False), n, steps
+        )
+    if name == "SB3 SubprocVecEnv":
         from stable_baselines3.common.vec_env import SubprocVecEnv
 
-        impls["SB3 SubprocVecEnv"] = lambda steps: run_vector(lambda: SubprocVecEnv(fns), n, steps)
-    except ImportError:
-        pass
-    try:
-        import tianshou  # noqa: F401
-
-        impls["Tianshou ShmemVectorEnv"] = lambda steps: run_tianshou(fns, steps)
-    except ImportError:
-        pass
-    impls["multienv sync"] = lambda steps: run_vector(lambda: MultiEnv(fns), n, steps)
-    impls["multienv async"] = lambda steps: run_multienv_async(fns, steps)
-    return impls
+        return run_vector(lambda: SubprocVecEnv(fns), n, steps)
+    if name == "Tianshou ShmemVectorEnv":
+        return run_tianshou(fns, steps)
+    if name.startswith("PufferLib workers="):
+        return run_pufferlib(fns, int(name.rpartition("=")[2]), steps)
+    if name == "multienv async k=1":
+        return run_multienv_async(fns, steps)
+    k = int(name.rpartition("=")[2])
+    return run_vector(lambda: MultiEnv(fns, envs_per_worker=k, copy=False), n, steps)
 
 
 # ----------------------------------------------------------------- throughput table
 
 
 def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
-    factory, single_rate = WORKLOADS[workload]
-    fns = [factory] * n
-    impls = implementations(fns)
+    """Every implementation, each sample in a fresh process, interleaved over rounds."""
+    _, single_rate = WORKLOADS[workload]
+    names = implementations(n)
     # Size a run so the sequential loop takes about args.seconds; parallel ones take less.
     vector_steps = max(20, int(single_rate * args.seconds / n))
-    samples: dict[str, list[float]] = {name: [] for name in impls}
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for round_index in range(args.rounds):
-        for name, run in impls.items():
-            samples[name].append(run(vector_steps))
+        for name in names:
+            sample = in_fresh_process(args, f"throughput:{workload}:{n}:{vector_steps}:{name}")
+            samples[name].append(sample)
             print(
                 f"{workload} N={n} round {round_index + 1}: {name}: "
-                f"{samples[name][-1]:,.0f} steps/s",
+                f"{sample['steps_per_s']:,.0f} steps/s, {sample['cores_busy']:.2f} cores busy",
                 file=sys.stderr,
                 flush=True,
             )
-    rows = {}
+    puffer = [name for name in names if name.startswith("PufferLib")]
+    rows: dict[str, Any] = {}
     for name, values in samples.items():
-        rows[name] = {
-            "steps_per_s": statistics.median(values),
-            "x_loop": statistics.median(
-                v / loop for v, loop in zip(values, samples["sequential loop"], strict=True)
-            ),
-            "x_async": statistics.median(
-                v / ref for v, ref in zip(values, samples["gymnasium AsyncVectorEnv"], strict=True)
+        rates = [v["steps_per_s"] for v in values]
+
+        def ratio(reference: list[float], rates: list[float] = rates) -> float:
+            return statistics.median(v / ref for v, ref in zip(rates, reference, strict=True))
+
+        row = {
+            "steps_per_s": statistics.median(rates),
+            "x_loop": ratio([v["steps_per_s"] for v in samples["sequential loop"]]),
+            "x_async": ratio([v["steps_per_s"] for v in samples["gymnasium AsyncVectorEnv"]]),
+            "cores_busy": statistics.median(v["cores_busy"] for v in values),
+            "cpu_us_per_step": statistics.median(
+                1e6 * v["cores_busy"] / v["steps_per_s"] for v in values
             ),
             "samples": values,
         }
+        if puffer:  # PufferLib's best layout within each round
+            best = [max(samples[p][r]["steps_per_s"] for p in puffer) for r in range(args.rounds)]
+            row["x_puffer_best"] = ratio(best)
+        rows[name] = row
     return rows
 
 
 def print_table(workload: str, n: int, rows: dict[str, Any]) -> None:
+    has_puffer = any("x_puffer_best" in row for row in rows.values())
     print(f"\n{workload}, N={n}")
-    print(f"{'implementation':<26}{'steps/s':>10}{'x loop':>9}{'x Async':>9}")
+    header = f"{'implementation':<26}{'steps/s':>10}{'x loop':>8}{'x Async':>9}"
+    print(header + (f"{'x Puffer':>10}" if has_puffer else "") + f"{'cores':>7}{'CPU us/step':>13}")
     for name, row in rows.items():
-        print(f"{name:<26}{row['steps_per_s']:>10,.0f}{row['x_loop']:>9.2f}{row['x_async']:>9.2f}")
+        line = f"{name:<26}{row['steps_per_s']:>10,.0f}{row['x_loop']:>8.2f}{row['x_async']:>9.2f}"
+        if has_puffer:
+            line += f"{row['x_puffer_best']:>10.2f}"
+        print(line + f"{row['cores_busy']:>7.2f}{row['cpu_us_per_step']:>13.1f}")
 
 
 # ----------------------------------------------------------------- start-up, respawn, memory
@@ -287,8 +376,13 @@ def time_startup(n: int, repeats: int = 3) -> dict[str, float]:
             "AsyncVectorEnv",
             f"AsyncVectorEnv({fns})",
         ),
-        "multienv": ("multienv", "MultiEnv", f"MultiEnv({fns})"),
     }
+    for k in sorted({1, n // 2, n}):
+        builds[f"multienv k={k}"] = (
+            "multienv",
+            "MultiEnv",
+            f"MultiEnv({fns}, envs_per_worker={k})",
+        )
     results = {}
     for label, (module, name, build) in builds.items():
         code = _STARTUP_CODE.format(module=module, name=name, build=build)
@@ -343,59 +437,73 @@ def private_mb(pid: int) -> float:
     return total_kb / 1024
 
 
-def measure_memory(label: str, n: int = 8) -> float:
-    """Median private memory per worker process after 100 steps of N CartPole envs."""
+def measure_memory(label: str, n: int = 16) -> dict[str, float]:
+    """Private memory of the worker processes after 100 steps of N CartPole envs, in MiB."""
     fns = [functools.partial(gym.make, "CartPole-v1")] * n
     if label == "gymnasium AsyncVectorEnv":
         envs: Any = gym.vector.AsyncVectorEnv(fns, shared_memory=True)
         pids = [p.pid for p in envs.processes]
     else:
-        envs = MultiEnv(fns, preload=preload_for(label))
-        pids = [env.pid for env in envs.envs]
+        k = int(label.split("k=")[1].split(",")[0])
+        envs = MultiEnv(fns, envs_per_worker=k, preload=preload_for(label))
+        pids = sorted({env.pid for env in envs.envs})
     try:
         envs.reset(seed=0)
         for _ in range(100):
             envs.step(np.zeros(n, dtype=np.int64))
-        return statistics.median(private_mb(pid) for pid in pids)
+        per_worker = [private_mb(pid) for pid in pids]
+        return {"total": sum(per_worker), "per_worker": statistics.median(per_worker)}
     finally:
         envs.close()
 
 
-MEMORY_LABELS = ["gymnasium AsyncVectorEnv", "multienv", "multienv, preload"]
+MEMORY_LABELS = [
+    "gymnasium AsyncVectorEnv",
+    "multienv k=1",
+    "multienv k=1, preload",
+    "multienv k=8",
+    "multienv k=16",
+]
 RESPAWN_LABELS = ["multienv", "multienv, preload"]
 
 
 def run_child(args: Args) -> int:
     """One measurement in this fresh process (a forkserver starts once per process)."""
-    kind, _, label = args.child.partition(":")
-    if kind == "memory":
-        print(json.dumps(measure_memory(label)))
+    kind, _, rest = args.child.partition(":")
+    if kind == "throughput":
+        workload, n, steps, name = rest.split(":", 3)
+        fns = [WORKLOADS[workload][0]] * int(n)
+        timer = run_implementation(name, fns, int(steps))
+        rate = int(steps) * int(n) / timer.wall_s
+        print(json.dumps({"steps_per_s": rate, "cores_busy": timer.cores_busy}))
+    elif kind == "memory":
+        print(json.dumps(measure_memory(rest)))
     else:
-        print(json.dumps(time_respawns(args.kills, preload_for(label))))
+        print(json.dumps(time_respawns(args.kills, preload_for(rest))))
     return 0
 
 
 def in_fresh_process(args: Args, child: str) -> Any:
-    """Run ``bench.py --child child`` and return what it printed."""
+    """Run ``bench.py --child child`` and return what it printed last."""
     command = [sys.executable, __file__, "--child", child, "--kills", str(args.kills)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(args: Args) -> int:
     if args.child:
         return run_child(args)
-    sizes = [8] if args.quick else [int(v) for v in args.num_envs.split(",")]
+    cells = args.cells.split(",")
     if args.quick:
-        args.rounds = 1
+        cells, args.rounds = ["cheap:16"], 1
     results: dict[str, Any] = {"args": dataclasses.asdict(args), "throughput": {}}
-    for workload in args.workloads.split(","):
-        for n in sizes:
-            rows = measure_throughput(args, workload, n)
-            results["throughput"][f"{workload}/N={n}"] = rows
-            print_table(workload, n, rows)
+    for cell in cells:
+        workload, _, n = cell.partition(":")
+        rows = measure_throughput(args, workload, int(n))
+        results["throughput"][f"{workload}/N={n}"] = rows
+        print_table(workload, int(n), rows)
     startup = time_startup(16)
     results["startup_s_n16"] = startup
     print("\nstart-up, N=16 CartPole, construct + first reset, fresh process (median of 3):")
@@ -403,10 +511,10 @@ def main(args: Args) -> int:
         print(f"  {label:<26}{seconds:>8.2f} s")
     # Each in a fresh process, so that preload reaches a forkserver of its own.
     memory = {label: in_fresh_process(args, f"memory:{label}") for label in MEMORY_LABELS}
-    results["private_mb_per_worker"] = memory
-    print("\nprivate memory per worker, N=8 CartPole (median):")
+    results["private_mb_n16"] = memory
+    print("\nprivate memory of the worker processes, N=16 CartPole:")
     for label, mb in memory.items():
-        print(f"  {label:<26}{mb:>8.1f} MiB")
+        print(f"  {label:<26}{mb['total']:>8.1f} MiB in all, {mb['per_worker']:.1f} MiB per worker")
     print("\nSIGKILL to next good step of that env, CartPole:")
     for label in RESPAWN_LABELS:
         respawns = in_fresh_process(args, f"respawn:{label}")
