@@ -57,7 +57,8 @@ class Autoreset:
     def resets(self, env_ids: Any) -> np.ndarray:
         """Which of ``env_ids`` this step resets instead of stepping (NEXT_STEP only)."""
         if self.mode is AutoresetMode.NEXT_STEP:
-            return self.needs_reset[env_ids].copy()
+            resets: np.ndarray = self.needs_reset[env_ids].copy()
+            return resets
         return np.zeros(len(self.needs_reset[env_ids]), dtype=np.bool_)
 
     def after_reset(self, env_ids: Any) -> None:

@@ -15,6 +15,10 @@ it. A script read from stdin has no file to import; workers used to fail trying,
 skip it too (its env factories travel by value with cloudpickle anyway). Scripts run with
 ``python -m`` are imported by name and are left as multiprocessing handles them.
 
+The forkserver also removes the parent's ``pymp-*`` temporary directory (which holds its
+socket) when it exits, as it does once the parent is gone: a parent killed by SIGKILL never
+runs the clean-up that would remove it.
+
 The same module imports the modules named in the ``preload`` option (an env's package, such
 as ``gymnasium.envs.classic_control`` or ``ale_py``), so that their pages are shared by every
 worker instead of copied into each, and a respawn does not import them again. The forkserver
@@ -28,13 +32,16 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Sequence
-from multiprocessing import forkserver, spawn
+from multiprocessing import forkserver, spawn, util
 from multiprocessing.context import BaseContext
 
 logger = logging.getLogger(__name__)
 
 MAIN_PATH_VARIABLE = "MULTIENV_FORKSERVER_MAIN_PATH"
 MODULES_VARIABLE = "MULTIENV_FORKSERVER_PRELOAD"  # comma-separated module names
+TEMP_DIR_VARIABLE = "MULTIENV_FORKSERVER_TEMP_DIR"  # the parent's pymp-* dir, which holds
+# the forkserver's socket; the forkserver removes it when it exits, since a parent killed
+# by SIGKILL never runs its own clean-up.
 # The last one imports the script; multienv must be fully imported by then, since the
 # script imports it too (a module that multienv itself imports would run mid-import).
 PRELOAD = [
@@ -72,8 +79,8 @@ def forkserver_context(preload: Sequence[str] = ()) -> BaseContext:
                 )
                 _preloaded.update(missing)  # warn once per module
             return ctx
-        ctx.set_forkserver_preload(PRELOAD)  # type: ignore[attr-defined]
-        variables = {MODULES_VARIABLE: ",".join(preload)}
+        ctx.set_forkserver_preload(PRELOAD)
+        variables = {MODULES_VARIABLE: ",".join(preload), TEMP_DIR_VARIABLE: util.get_temp_dir()}
         main_path = spawn.get_preparation_data("ignore").get("init_main_from_path")
         if main_path is not None:
             variables[MAIN_PATH_VARIABLE] = main_path

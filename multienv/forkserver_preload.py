@@ -11,14 +11,16 @@ the forkserver on any error but ImportError, and then no worker could start.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
+import shutil
 import sys
 import types
 from multiprocessing import process, spawn
 
-from multienv.forkserver import MAIN_PATH_VARIABLE, MODULES_VARIABLE
+from multienv.forkserver import MAIN_PATH_VARIABLE, MODULES_VARIABLE, TEMP_DIR_VARIABLE
 
 logger = logging.getLogger(__name__)
 
@@ -53,5 +55,17 @@ def _import_main_here() -> None:
         del current._inheriting  # type: ignore[attr-defined]
 
 
+def _remove_temp_dir_at_exit() -> None:
+    """In the forkserver: remove the parent's pymp-* dir when the forkserver exits.
+
+    The forkserver exits (through ``SystemExit``, so ``atexit`` runs) once its parent is
+    gone, however the parent died; workers forked from it leave through ``os._exit``.
+    """
+    temp_dir = os.environ.pop(TEMP_DIR_VARIABLE, None)
+    if temp_dir is not None and os.path.basename(temp_dir).startswith("pymp-"):
+        atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
+
+
+_remove_temp_dir_at_exit()
 _import_modules_here()
 _import_main_here()

@@ -169,7 +169,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 self._worker_of[env_index] = number
         self._autoreset = Autoreset(self.autoreset_mode, self.num_envs)
         self._env_obs: list[Any] = [None] * self.num_envs
-        self._observations = create_empty_array(
+        self._observations: Any = create_empty_array(
             self.single_observation_space, n=self.num_envs, fn=np.zeros
         )
         self._rewards = np.zeros(self.num_envs, dtype=np.float64)
@@ -408,8 +408,9 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         partial = _PartialInfos(size)
         for position, row in enumerate(rows):
             if row[3]:
-                infos = partial._add_info(infos, row[3], position)
+                infos = partial._add_info(infos, row[3], position)  # type: ignore[misc]
         infos["env_id"] = np.asarray(ids, dtype=np.int64)
+        observations: Any
         if self._link.has_shared_obs:
             observations = self._link.observations(ids, copy=True)
         else:
@@ -671,7 +672,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             if len(per_env) != n:
                 raise ValueError(f"expected {n} actions (one per env), got {len(per_env)}.")
             return per_env
-        if isinstance(actions, np.ndarray) and actions.shape == (n, *space.shape):
+        if isinstance(actions, np.ndarray) and actions.shape == (n, *(space.shape or ())):
             batch = actions  # the usual case; the checks below only name what is wrong
         else:
             self._check_action_shapes(actions, ids)
@@ -692,7 +693,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             ) from None
         if count != n:
             raise ValueError(
-                f"expected {n} actions (one per env, batch shape {(n, *space.shape)}), got {count}."
+                f"expected {n} actions (one per env, batch shape {(n, *(space.shape or ()))}), "
+                f"got {count}."
             )
         for position, env_index in enumerate(env_ids):
             shape = np.shape(actions[position])

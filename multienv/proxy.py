@@ -427,9 +427,9 @@ class WorkerSupervisor:
         if self._restart_on_error:
             self.handle.kill()
             cause = f"error: {result.extras[failed[0]].failure.type_name}"  # type: ignore[union-attr]
-            retried, errors = self._recover_batch(subset(batch, failed), cause)
+            retried, retry_errors = self._recover_batch(subset(batch, failed), cause)
             _merge(result, retried, failed)
-            return result, errors
+            return result, retry_errors
         errors: dict[int, Exception] = {}
         for item in failed:
             failure = result.extras[item].failure
@@ -815,8 +815,10 @@ class RemoteEnv(gym.Env[Any, Any]):
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         """Step the remote env; a worker death comes back as a flagged truncation."""
         self.send_step(action)
-        obs, *rest = self.recv_step()
-        return (self._supervisor.read_obs(self.position) if obs is None else obs, *rest)  # type: ignore[return-value]
+        obs, reward, terminated, truncated, info = self.recv_step()
+        if obs is None:
+            obs = self._supervisor.read_obs(self.position)
+        return obs, reward, terminated, truncated, info
 
     def render(self) -> Any:
         """Return the remote env's ``render()`` result."""

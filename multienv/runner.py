@@ -83,7 +83,7 @@ class EnvRunner:
         """Step one env; with ``autoreset``, reset it at once if the step ended its episode."""
         obs, reward, terminated, truncated, info = self.envs[position].step(action)
         self.check(position, obs)
-        outcome = Outcome(obs, reward, terminated, truncated, info)
+        outcome = Outcome(obs, float(reward), terminated, truncated, info)
         if autoreset and (terminated or truncated):
             outcome.reset = self.reset(position)
         return outcome

@@ -99,9 +99,9 @@ class BatchLayout:
         self._size = 0
         self.obs_paths = [path for path, _ in _leaves(observation_space)]
         for path, leaf in _leaves(observation_space):
-            self._add(("obs", *path), (2, num_envs, *leaf.shape), leaf.dtype)
+            self._add(("obs", *path), (2, num_envs, *(leaf.shape or ())), leaf.dtype)
         if self.has_actions:
-            self._add(("action",), (num_envs, *action_space.shape), action_space.dtype)
+            self._add(("action",), (num_envs, *(action_space.shape or ())), action_space.dtype)
         self._add(("reward",), (num_envs,), np.dtype(np.float64))
         self._add(("flags",), (2, num_envs), np.dtype(np.bool_))
         self.size = max(self._size, 1)

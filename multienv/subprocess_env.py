@@ -420,10 +420,11 @@ class ProcessHandle:
 
         # The worker acks the command, then we send the fds, then it acks them.
         self._notify_seq = 0
-        for send in (
-            lambda: write_message(self._fd, encode(Request(Command.ATTACH, -1, payload))),
-            send_fds,
-        ):
+
+        def send_attach() -> None:
+            write_message(self._fd, encode(Request(Command.ATTACH, -1, payload)))
+
+        for send in (send_attach, send_fds):
             try:
                 send()
             except _PIPE_ERRORS:
@@ -468,7 +469,7 @@ class ProcessHandle:
         except (*_PIPE_ERRORS, OSError):
             pass  # the worker is dead; _receive() sees its sentinel
 
-    def _receive(self, deadline: float | None) -> Any:
+    def _receive(self, deadline: float | None) -> Reply | Death:
         """Wait for one reply or the worker's death, whichever comes first, up to ``deadline``.
 
         The reply to a fast batch is its DONE record on the shared done pipe; every wait also
@@ -505,7 +506,8 @@ class ProcessHandle:
                 assert self._reader is not None
                 try:
                     self._notify_seq = 0
-                    return decode(self._reader.read())
+                    reply: Reply = decode(self._reader.read())
+                    return reply
                 except _PIPE_ERRORS:
                     pass
             elif not fds:

@@ -200,6 +200,7 @@ class _Loop:
         resets: set[int] = set()
         done_positions: list[int] = []
         rewards: list[Any] = []
+        reward: Any
         terminations: list[Any] = []
         truncations: list[Any] = []
         next_action = 0

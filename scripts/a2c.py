@@ -43,7 +43,8 @@ from multienv import MultiEnv, RestartPolicy
 @dataclasses.dataclass
 class Args:
     env_id: str = "CartPole-v1"  # Gymnasium id with a Box observation and Discrete action space
-    num_envs: int = 8  # parallel envs, one worker process each
+    num_envs: int = 8  # parallel envs
+    envs_per_worker: int = 1  # envs each worker process hosts; more is faster on cheap envs
     n_steps: int = 32  # steps per env between updates (the n of n-step returns)
     total_steps: int = 600_000  # budget of env steps (all envs together)
     gamma: float = 0.99  # discount factor
@@ -486,6 +487,7 @@ def main(args: Args) -> int:
         autoreset_mode="SameStep",
         restart_policy=restart_policy(args),
         preload=env_modules(args.env_id),
+        envs_per_worker=args.envs_per_worker,
     )
     obs_dim = int(np.prod(envs.single_observation_space.shape))
     num_actions = int(envs.single_action_space.n)

@@ -95,6 +95,7 @@ def main(args: A3CArgs) -> int:
             autoreset_mode="SameStep",
             restart_policy=restart_policy(args),
             preload=env_modules(args.env_id),
+            envs_per_worker=min(args.envs_per_worker, args.envs_per_learner),
         )
         for _ in range(args.learners)
     ]

@@ -52,10 +52,11 @@ def ready(env_fn, **options):
 
 
 def is_gone(pid):
+    """True once the process is a zombie or reaped; /proc/<pid>/stat can vanish mid-read."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return True
 
 
@@ -324,24 +325,33 @@ def run_script(body, **popen):
     )
 
 
-def test_workers_exit_within_2_s_when_parent_is_sigkilled():
+@pytest.mark.parametrize("envs_per_worker", [1, 3], ids=["k1", "k3"])
+def test_workers_exit_within_2_s_when_parent_is_sigkilled_and_leave_no_temp_dir(
+    tmp_path, envs_per_worker
+):
     child = run_script(
-        """
+        f"""
         import time
         from multienv import MultiEnv
         from tests.envs import CountingEnv
         if __name__ == "__main__":
-            envs = MultiEnv([CountingEnv] * 3)
+            envs = MultiEnv([CountingEnv] * 3, envs_per_worker={envs_per_worker})
             print(" ".join(str(e.pid) for e in envs.envs), flush=True)
             time.sleep(60)
-        """
+        """,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     try:
-        pids = [int(p) for p in child.stdout.readline().split()]
-        assert len(pids) == 3
+        pids = sorted({int(p) for p in child.stdout.readline().split()})
+        assert len(pids) == 3 // envs_per_worker
+        assert [p.name for p in tmp_path.glob("pymp-*")]  # the forkserver's socket lives here
         os.kill(child.pid, signal.SIGKILL)
         child.wait(5)
         assert wait_gone(pids, within_s=2.0), [p for p in pids if not is_gone(p)]
+        deadline = time.monotonic() + 2.0
+        while list(tmp_path.glob("pymp-*")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert list(tmp_path.iterdir()) == []
     finally:
         child.kill()
         child.communicate(timeout=5)
