@@ -51,6 +51,7 @@ class _Worker:
     positions: list[int]  # their places in the worker
     index: Any  # env_ids as a slice when contiguous, else an index array
     position_array: Any = None  # positions as an index array
+    is_whole: bool = False  # all of the worker's envs are here, in position order
 
 
 # What one worker's batch came back as: its result and errors by env index, or one error
@@ -658,6 +659,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 if isinstance(batch_actions, np.ndarray)
                 else _take(batch_actions, worker.env_ids),
                 is_same_step,
+                is_whole=worker.is_whole,
             )
 
         return make_batch
@@ -863,6 +865,7 @@ def _group_by_worker(proxies: Sequence[RemoteEnv]) -> list[_Worker]:
         workers[key].positions.append(proxy.position)
     for worker in workers.values():
         worker.position_array = np.asarray(worker.positions, dtype=np.intp)
+        worker.is_whole = worker.positions == list(range(len(worker.supervisor.env_indices)))
         first, count = worker.env_ids[0], len(worker.env_ids)
         if worker.env_ids == list(range(first, first + count)):
             worker.index = slice(first, first + count)

@@ -127,6 +127,7 @@ class Batch:
         autoreset: Reset a finished episode in the same round trip (same-step autoreset).
         seeds: Per item, the reset's seed; None for no seeds at all.
         options: Per item, the reset's options; None for no options at all.
+        is_whole: The items are all the worker's envs, in order (positions 0 to k-1).
     """
 
     positions: list[int] | np.ndarray
@@ -135,6 +136,7 @@ class Batch:
     autoreset: bool = False
     seeds: list[int | None] | None = None
     options: list[dict[str, Any] | None] | None = None
+    is_whole: bool = False
 
     def orders(self) -> list[Order]:
         """The batch as one ``Order`` per item, for the pickled path."""

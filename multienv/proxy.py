@@ -522,18 +522,21 @@ class WorkerSupervisor:
         self, batch: Batch, result: BatchResult, elapsed: float, lost: dict[int, str]
     ) -> None:
         """Count steps and episodes, keep the latency and (unshared) observations."""
-        is_step = ~batch.is_reset
         failed = [item for item, extra in result.extras.items() if extra.failure is not None]
-        if failed:
-            is_step = is_step.copy()
-            is_step[failed] = False
-        if is_step.any():
-            positions = np.asarray(batch.positions)  # distinct within a batch, so += counts
-            self.steps[positions[is_step]] += 1
-            done = is_step & (result.terminated | result.truncated)
-            if done.any():
-                self.episodes[positions[done]] += 1
+        done = result.terminated | result.truncated
+        if batch.is_whole and not failed and not np.count_nonzero(batch.is_reset):
+            self.steps += 1  # the common case: every env of the worker stepped
+            if np.count_nonzero(done):
+                self.episodes[done] += 1
             self.step_latencies_s.append(elapsed)
+        else:
+            is_step = ~batch.is_reset
+            is_step[failed] = False
+            if np.count_nonzero(is_step):
+                positions = np.asarray(batch.positions)  # distinct in a batch, so += counts
+                self.steps[positions[is_step]] += 1
+                self.episodes[positions[is_step & done]] += 1
+                self.step_latencies_s.append(elapsed)
         if result.obs is not None:
             for item, position in enumerate(batch.positions):
                 if item not in lost and item not in failed:

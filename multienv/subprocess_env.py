@@ -160,6 +160,7 @@ class ProcessHandle:
         self._worker_index = -1
         self._env_indices: list[int] = []  # the vector's index of each env, by position
         self._env_index_array = np.zeros(0, dtype=np.intp)
+        self._env_slice: slice | None = None  # the vector's envs of this worker, if contiguous
         self._done_read = -1
         self._seq = 0  # of the last fast batch, 1 to 255
         self._notify_seq = 0  # the in-flight fast batch's seq; 0 when its reply is a message
@@ -298,12 +299,19 @@ class ProcessHandle:
             self._batch_env_ids = None
             self._send(frame(encode(Request(Command.BATCH, -1, batch.orders()))))
             return
-        env_ids = self._env_index_array[batch.positions]
+        size = len(batch.positions)
+        # A whole worker of contiguous envs is a slice: views, no fancy indexing.
+        env_ids: Any = (
+            self._env_slice
+            if batch.is_whole and self._env_slice is not None
+            else self._env_index_array[batch.positions]
+        )
         slots = 1 - shared.slot[env_ids]  # never the slot the caller saw last
         self._batch_env_ids, self._batch_slots = env_ids, slots
         is_reset = batch.is_reset
+        num_resets = int(np.count_nonzero(is_reset))
         is_fast = (
-            (shared.actions is not None or is_reset.all())
+            (shared.actions is not None or num_resets == size)
             and batch.seeds is None
             and batch.options is None
         )
@@ -313,25 +321,23 @@ class ProcessHandle:
                 object.__setattr__(order, "slot", slot)
             self._send(frame(encode(Request(Command.BATCH, -1, orders))))
             return
-        if shared.actions is not None and not is_reset.all():
-            steps = ~is_reset
-            if steps.all():
+        if shared.actions is not None and num_resets < size:
+            if not num_resets:
                 shared.actions[env_ids] = batch.actions
             else:
-                shared.actions[env_ids[steps]] = np.asarray(batch.actions)[steps]
+                steps = ~is_reset
+                shared.actions[np.arange(shared.slot.size)[env_ids][steps]] = np.asarray(
+                    batch.actions
+                )[steps]
         self._seq = self._notify_seq = self._seq % 255 + 1
-        if len(env_ids) == 1:
-            flags = int(is_reset[0]) | (IS_AUTORESET if batch.autoreset else 0)
-            flags |= IS_SLOT_1 * int(slots[0])
+        autoreset = IS_AUTORESET if batch.autoreset else 0
+        if size == 1:
+            flags = int(is_reset[0]) | autoreset | (IS_SLOT_1 * int(slots[0]))
             body = bytes((FAST_BATCH, self._seq)) + FAST_ITEM.pack(batch.positions[0], flags)
         else:
-            items = np.empty(len(env_ids), dtype=_ITEM_DTYPE)
+            items = np.empty(size, dtype=_ITEM_DTYPE)
             items["position"] = batch.positions
-            items["flags"] = (
-                is_reset.astype(np.uint8)
-                | (IS_AUTORESET if batch.autoreset else 0)
-                | (slots.astype(np.uint8) * IS_SLOT_1)
-            )
+            items["flags"] = is_reset.view(np.uint8) | autoreset | (slots.view(np.uint8) << 2)
             body = bytes((FAST_BATCH, self._seq)) + items.tobytes()
         self._send(frame(body))
 
@@ -363,10 +369,11 @@ class ProcessHandle:
             if reply.value:
                 item_of = {position: item for item, position in enumerate(batch.positions)}
                 extras = {item_of[position]: extra for position, extra in reply.value.items()}
+            flags = shared.flags
             result = BatchResult(
-                shared.rewards[env_ids],
-                shared.flags[0, env_ids],
-                shared.flags[1, env_ids],
+                shared.rewards[env_ids].copy(),  # copies: the next batch writes over them
+                flags[0, env_ids].copy(),
+                flags[1, env_ids].copy(),
                 None,
                 extras,
             )
@@ -375,10 +382,10 @@ class ProcessHandle:
             ok = np.array(
                 [
                     item not in result.extras or result.extras[item].failure is None
-                    for item in range(len(env_ids))
+                    for item in range(len(batch.positions))
                 ]
             )
-            shared.slot[env_ids[ok]] = self._batch_slots[ok]
+            shared.slot[np.arange(shared.slot.size)[env_ids][ok]] = self._batch_slots[ok]
         else:
             shared.slot[env_ids] = self._batch_slots
         return result
@@ -446,6 +453,9 @@ class ProcessHandle:
         self._shared, self._worker_index = shared, worker_index
         self._env_indices = list(env_indices)
         self._env_index_array = np.asarray(self._env_indices, dtype=np.intp)
+        first, count = (self._env_indices or [0])[0], len(self._env_indices)
+        is_contiguous = count > 0 and self._env_indices == list(range(first, first + count))
+        self._env_slice = slice(first, first + count) if is_contiguous else None
         self._done_read = -1 if shared is None else shared.done_read(worker_index)
         if shared is not None and self._poller is not None:
             self._poller.register(self._done_read, select.POLLIN)
