@@ -1,4 +1,4 @@
-"""BOTH SIDES: a vector's shared buffers; the parent allocates and frees, a worker writes its slot.
+"""BOTH SIDES: a vector's shared buffers; the parent allocates and frees, workers write rows.
 
 One anonymous memory file (``os.memfd_create``) per vector holds, for every env:
 
@@ -13,11 +13,12 @@ The file has no name, so nothing is left in ``/dev/shm`` whatever kills the pare
 travels to each worker over the pipe (``multiprocessing.reduction.send_handle``), again after
 every respawn, and the memory goes when the last mapping of it does.
 
-Beside the file, each group of envs that one parent thread collects has a "done" pipe that
-its workers write a short record to when they finish a fast request
-(``protocol.DONE_RECORD``). The parent reads all the records that are in with one read and
-notes them per env (``SharedBatch.drain``). One pipe per thread, because a thread that read
-another thread's record would leave that thread asleep.
+Beside the file, each group of workers that one parent thread collects has a "done" pipe
+that they write a short record to when they finish a fast batch (``protocol.DONE_RECORD``).
+The parent reads all the records that are in with one read and notes them per worker
+(``SharedBatch.drain``). One pipe per thread, because a thread that read another thread's
+record would leave that thread asleep. A worker hosting k envs writes the rows of its k
+envs (``SlotWriter``), addressed by their index in the vector.
 
 Fixed-shape spaces only: Box, Discrete, MultiBinary, MultiDiscrete, and Dict/Tuple of them.
 Other spaces are pickled through the pipe as before (``BatchLayout.supports``).
