@@ -12,9 +12,16 @@ import threading
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-from multienv import EnvCrashLoopError, EnvError, MultiEnv, RestartPolicy
+from multienv import (
+    EnvCrashLoopError,
+    EnvError,
+    MultiEnv,
+    RestartPolicy,
+    create_subprocess_envs,
+)
 from tests.conftest import live_workers
 from tests.envs import (
     CountingEnv,
@@ -269,3 +276,49 @@ def test_close_is_bounded_and_leaves_no_process_fd_or_shared_memory(k):
     assert live_workers() == []
     assert open_fds() <= fds_before
     assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+@pytest.mark.fault
+def test_worker_mates_not_in_flight_when_it_dies_get_a_flagged_truncation_without_a_step():
+    with MultiEnv([CountingEnv] * 3, envs_per_worker=3) as envs:
+        envs.reset()
+        envs.step(np.ones(3, dtype=np.int64))
+        old_pid = envs.envs[0].pid
+        envs.send(np.ones(1, dtype=np.int64), [0])  # only env 0 is in flight
+        os.kill(old_pid, signal.SIGKILL)
+        obs, rewards, _, truncations, infos = envs.recv()
+        assert infos["env_id"].tolist() == [0]
+        assert truncations.tolist() == [True]
+        assert rewards.tolist() == [0.0]
+        assert infos["multienv"]["cause"].tolist() == ["SIGKILL"]
+        # Envs 1 and 2 lost their episode with the worker: told on their next step, which
+        # does not reach the fresh env (whose count would start again from 0).
+        obs, rewards, _, truncations, infos = envs.step(np.ones(3, dtype=np.int64))
+        assert truncations.tolist() == [False, True, True]
+        assert obs[:, 0].tolist() == [0.0, 1.0, 1.0]  # env 0 resets (NextStep); 1, 2 as seen
+        assert infos["multienv"]["cause"][1:].tolist() == ["SIGKILL", "SIGKILL"]
+        obs, *_ = envs.step(np.ones(3, dtype=np.int64))
+        assert obs[:, 0].tolist() == [1.0, 0.0, 0.0]
+        assert [row["restarts"] for row in envs.stats()] == [1, 1, 1]
+
+
+@layouts
+def test_max_concurrency_steps_every_env_once(k):
+    with MultiEnv([CountingEnv] * N, envs_per_worker=k, max_concurrency=2) as envs:
+        envs.reset()
+        for step in range(1, 4):
+            obs, *_ = envs.step(np.ones(N, dtype=np.int64))
+            assert obs[:, 0].tolist() == [float(step)] * N
+        assert envs.get_attr("count") == tuple([3] * N)
+
+
+def test_a_shared_workers_envs_close_one_by_one_and_the_worker_stops_with_the_last():
+    proxies = create_subprocess_envs([CountingEnv] * 3, envs_per_worker=3)
+    assert len({proxy.pid for proxy in proxies}) == 1
+    proxies[0].close()
+    assert proxies[1].reset()[0].tolist() == [0.0]  # the worker still serves its other envs
+    with pytest.raises(ClosedEnvironmentError):
+        proxies[0].reset()
+    proxies[1].close()
+    proxies[2].close()
+    assert live_workers() == []
