@@ -12,6 +12,7 @@ of the slice, then collects every reply (the first slice runs in the caller's th
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -30,9 +31,12 @@ from multienv.autoreset import Autoreset
 from multienv.errors import EnvStateError
 from multienv.protocol import Batch, BatchResult
 from multienv.proxy import EnvState, RemoteEnv, VectorLink, WorkerSupervisor
-from multienv.subprocess_env import create_subprocess_envs
 
 logger = logging.getLogger(__name__)
+
+# Where each backend's ``create_*_envs(env_fns, envs_per_worker=..., **options)`` lives;
+# imported only when used, so MultiEnv imports no transport.
+_BACKENDS = {"subprocess": "multienv.subprocess_env:create_subprocess_envs"}
 
 _ARRAY_ACTION_SPACES = (
     gym.spaces.Box,
@@ -89,6 +93,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             oversubscribe the cores.
         envs_per_worker: With env factories, how many envs each worker process hosts (env i
             in worker ``i // envs_per_worker``); see ``create_subprocess_envs``.
+        backend: With env factories, where the workers run: ``"subprocess"`` (the only
+            backend so far).
         **options: ``SubprocessEnv`` options, used only when ``envs`` are factories.
     """
 
@@ -101,6 +107,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         num_threads: int | None = None,
         max_concurrency: int | None = None,
         envs_per_worker: int = 1,
+        backend: str = "subprocess",
         **options: Any,
     ) -> None:
         """Build or adopt the envs, check that their spaces match, and batch the spaces."""
@@ -123,11 +130,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             proxies: list[Any] = items
             _check_ready(proxies)
         elif not any(is_proxy):
-            proxies = create_subprocess_envs(
-                items,  # type: ignore[arg-type]
-                envs_per_worker=envs_per_worker,
-                **options,
-            )
+            proxies = _create_envs(backend, items, envs_per_worker=envs_per_worker, **options)
         else:
             first = is_proxy.index(not is_proxy[0])
             raise TypeError(
@@ -852,6 +855,15 @@ def _run_slice(
     for number, worker in sent:
         outcome[number] = _finish(worker)
     return outcome
+
+
+def _create_envs(backend: str, env_fns: list[Any], **options: Any) -> list[RemoteEnv]:
+    """Build ready proxies for ``env_fns`` with the named backend."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}.")
+    module, _, name = _BACKENDS[backend].partition(":")
+    envs: list[RemoteEnv] = getattr(importlib.import_module(module), name)(env_fns, **options)
+    return envs
 
 
 def _group_by_worker(proxies: Sequence[RemoteEnv]) -> list[_Worker]:

@@ -252,3 +252,28 @@ def test_worker_killed_during_reset_is_replayed():
         assert envs.stats()[1]["restarts"] == 1
         for _ in range(20):
             envs.step(np.array([0, 1]))
+
+
+def test_multi_env_imports_no_transport():
+    # MultiEnv talks to workers through multienv.proxy only: no pipes, pids or signals.
+    import ast
+    import pathlib
+
+    import multienv.multi_env
+
+    tree = ast.parse(pathlib.Path(multienv.multi_env.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+    forbidden = {"os", "select", "signal", "multiprocessing", "subprocess"}
+    forbidden |= {f"multienv.{name}" for name in ("subprocess_env", "worker", "shared_memory")}
+    assert not {name for name in imported if name.split(".")[0] in forbidden or name in forbidden}
+
+
+def test_unknown_backend_is_rejected_before_anything_starts():
+    with pytest.raises(ValueError, match=r"backend must be one of \['subprocess'\]"):
+        MultiEnv([CountingEnv] * 2, backend="nope")
+    assert live_workers() == []
