@@ -322,3 +322,22 @@ def test_a_shared_workers_envs_close_one_by_one_and_the_worker_stops_with_the_la
     proxies[1].close()
     proxies[2].close()
     assert live_workers() == []
+
+
+@pytest.mark.fault
+def test_restart_on_error_in_a_shared_worker_truncates_the_raiser_now_and_its_mates_next():
+    fns = [CountingEnv, functools.partial(RaiseOnStep, at_count=2), CountingEnv]
+    with MultiEnv(fns, envs_per_worker=3, restart_on_error=True) as envs:
+        envs.reset()
+        pid = envs.envs[0].pid
+        envs.step(np.ones(3, dtype=np.int64))
+        obs, rewards, _, truncations, infos = envs.step(np.ones(3, dtype=np.int64))
+        assert truncations.tolist() == [False, True, False]
+        assert infos["multienv"]["cause"][1] == "error: ValueError"
+        assert obs[:, 0].tolist() == [2.0, 1.0, 2.0]  # the mates' real second step is kept
+        assert rewards.tolist() == [1.0, 0.0, 1.0]
+        assert envs.envs[0].pid != pid
+        obs, _, _, truncations, infos = envs.step(np.ones(3, dtype=np.int64))
+        assert truncations.tolist() == [True, False, True]  # their episode died with the worker
+        assert obs[:, 0].tolist() == [2.0, 0.0, 2.0]
+        assert [row["restarts"] for row in envs.stats()] == [1, 1, 1]
