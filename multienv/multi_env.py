@@ -29,7 +29,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from multienv.autoreset import Autoreset
 from multienv.errors import EnvStateError
-from multienv.protocol import Batch, BatchResult
+from multienv.protocol import Batch, BatchResult, StepPlan
 from multienv.proxy import EnvState, RemoteEnv, VectorLink, WorkerSupervisor
 
 logger = logging.getLogger(__name__)
@@ -192,6 +192,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             max_workers=len(self._slices), thread_name_prefix="multienv"
         )
         self._pending: list[Future[_SliceOutcome]] | None = None  # step_async()
+        self._plan: StepPlan | None = None  # the planned step in flight, if it is one
         self._flying: dict[int, list[int]] = {}  # workers sent a batch by send(): its envs
         self._received: dict[int, tuple[Any, ...]] = {}  # envs collected, not yet returned
         supervisors = [worker.supervisor for worker in self._workers]
@@ -215,6 +216,18 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         except BaseException:
             self._link.close()
             raise
+        # Planned steps (one vector op for all envs) need each worker's envs as one slice,
+        # in position order; the workers' step counters then become views of these.
+        self._can_plan = all(
+            worker.is_whole and isinstance(worker.index, slice) for worker in self._workers
+        )
+        self._steps = np.zeros(self.num_envs, dtype=np.int64)
+        self._episodes = np.zeros(self.num_envs, dtype=np.int64)
+        if self._can_plan:
+            for worker in self._workers:
+                supervisor, index = worker.supervisor, worker.index
+                self._steps[index], self._episodes[index] = supervisor.steps, supervisor.episodes
+                supervisor.steps, supervisor.episodes = self._steps[index], self._episodes[index]
 
     # ----------------------------------------------------------------- vector API
 
@@ -583,7 +596,9 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
     def _is_limited(self) -> bool:
         return self.max_concurrency is not None and self.max_concurrency < self.num_envs
 
-    def _step_limited(self, make_batch: Callable[[_Worker], Batch | None]) -> _SliceOutcome:
+    def _step_limited(
+        self, make_batch: Callable[[_Worker], Batch | StepPlan | None]
+    ) -> _SliceOutcome:
         """Step every worker with at most ``max_concurrency`` envs in flight."""
         assert self.max_concurrency is not None
         queue = list(range(len(self._workers)))
@@ -598,10 +613,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             ):
                 number = queue.pop(0)
                 worker = self._workers[number]
-                batch = make_batch(worker)
-                assert batch is not None
                 try:
-                    worker.supervisor.submit(batch)
+                    _submit(worker, make_batch(worker))
                     running.append(number)
                 except Exception as exc:  # noqa: BLE001 - raised by _gather, lowest index first
                     outcome[number] = (None, dict.fromkeys(worker.env_ids, exc))
@@ -645,7 +658,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise ValueError("options['reset_mask'] must select at least one env.")
         return mask
 
-    def _prepare_step(self, actions: Any) -> Callable[[_Worker], Batch | None]:
+    def _prepare_step(self, actions: Any) -> Callable[[_Worker], Batch | StepPlan | None]:
         """Check the actions and the envs; return how to make each worker's batch."""
         self._check_idle("step")
         batch_actions = self._split_actions(actions, None)
@@ -653,6 +666,12 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         autoreset.check_can_step(slice(None))
         resets = autoreset.resets(slice(None))
         is_same_step = autoreset.is_same_step
+
+        if self._can_plan and isinstance(batch_actions, np.ndarray):
+            plan = self._link.plan_step(batch_actions, resets, is_same_step)
+            if plan is not None:
+                self._plan = plan
+                return lambda worker: plan
 
         def make_batch(worker: _Worker) -> Batch:
             return Batch(
@@ -715,6 +734,19 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         infos: dict[str, Any] = {}
         errors: dict[int, BaseException] = {}
         autoreset = self._autoreset
+        plan, self._plan = self._plan, None
+        clean = [
+            n
+            for n, (result, worker_errors) in outcome.items()
+            if result is None and not worker_errors
+        ]
+        if clean:
+            assert plan is not None
+            if len(clean) == len(self._workers):
+                self._commit(plan, slice(None))  # the usual case: one op for all envs
+            else:
+                for number in clean:
+                    self._commit(plan, self._workers[number].index)
         for number, (result, worker_errors) in outcome.items():
             errors.update(worker_errors)
             if result is None:
@@ -742,6 +774,17 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             self._raise_first(errors)
         return self._batched_obs(), rewards.copy(), terminations.copy(), truncations.copy(), infos
 
+    def _commit(self, plan: StepPlan, index: slice) -> None:
+        """Take the results of envs ``index`` of a planned step from shared memory."""
+        rewards, terminated, truncated = self._link.commit(plan, index)
+        self._rewards[index] = rewards
+        self._terminations[index] = terminated
+        self._truncations[index] = truncated
+        self._autoreset.after_step(index, terminated, truncated)
+        stepped = ~plan.is_reset[index]
+        self._steps[index] += stepped
+        self._episodes[index] += stepped & (terminated | truncated)
+
     def _reset_after_crash(self, env_index: int, info: dict[str, Any]) -> dict[str, Any]:
         """SAME_STEP: reset an env whose worker died mid-step; report the crash's final obs."""
         proxy = self.envs[env_index]
@@ -759,7 +802,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         return deepcopy(self._observations) if self.copy else self._observations
 
     def _fan_out(
-        self, numbers: Iterable[int], make_batch: Callable[[_Worker], Batch | None]
+        self, numbers: Iterable[int], make_batch: Callable[[_Worker], Batch | StepPlan | None]
     ) -> list[Future[_SliceOutcome] | _SliceOutcome]:
         """Send each worker its batch and collect it, by slices; the first slice runs inline."""
         wanted = set(numbers)
@@ -835,21 +878,29 @@ def _finish(worker: _Worker) -> _Collected:
     return result, {worker.env_ids[item]: error for item, error in errors.items()}
 
 
+def _submit(worker: _Worker, order: Batch | StepPlan | None) -> bool:
+    """Send a worker its batch, or its part of a planned step; False if it has none."""
+    if order is None:
+        return False
+    if isinstance(order, StepPlan):
+        worker.supervisor.submit_planned(order, worker.index)
+    else:
+        worker.supervisor.submit(order)
+    return True
+
+
 def _run_slice(
     workers: Sequence[_Worker],
     numbers: Sequence[int],
-    make_batch: Callable[[_Worker], Batch | None],
+    make_batch: Callable[[_Worker], Batch | StepPlan | None],
 ) -> _SliceOutcome:
     """Send every worker of the slice its batch, then collect every reply."""
     outcome: _SliceOutcome = {}
     sent = []
     for number, worker in zip(numbers, workers, strict=True):
-        batch = make_batch(worker)
-        if batch is None:
-            continue
         try:
-            worker.supervisor.submit(batch)
-            sent.append((number, worker))
+            if _submit(worker, make_batch(worker)):
+                sent.append((number, worker))
         except Exception as exc:  # noqa: BLE001 - raised by the caller, lowest env index first
             outcome[number] = (None, dict.fromkeys(worker.env_ids, exc))
     for number, worker in sent:

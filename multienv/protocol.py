@@ -154,6 +154,40 @@ class Batch:
 
 
 @dataclasses.dataclass
+class StepPlan:
+    """A whole vector's step, prepared once by its link; each worker sends its own slice.
+
+    Only for a vector whose workers each host a contiguous run of its envs, in position
+    order (env ``first + p`` at position ``p``), as ``create_subprocess_envs`` lays them out.
+
+    Attributes:
+        actions: All N actions (an array with a leading axis).
+        is_reset: Per env, reset it instead of stepping it.
+        autoreset: Reset a finished episode in the same round trip (same-step autoreset).
+        wire: The backend's prepared request data.
+    """
+
+    actions: np.ndarray
+    is_reset: np.ndarray
+    autoreset: bool
+    wire: Any = None
+
+    def batch(self, env_slice: slice) -> Batch:
+        """The general ``Batch`` of one worker's part, for the paths that need it."""
+        count = env_slice.stop - env_slice.start
+        return Batch(
+            list(range(count)),
+            self.is_reset[env_slice].copy(),
+            self.actions[env_slice],
+            self.autoreset,
+            is_whole=True,
+        )
+
+
+PLANNED_OK = None  # what a worker's part of a StepPlan comes back as when all is in memory
+
+
+@dataclasses.dataclass
 class BatchResult:
     """What a batch produced, item by item.
 

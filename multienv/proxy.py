@@ -50,6 +50,7 @@ from gymnasium.vector.utils import batch_space, create_empty_array, iterate
 
 from multienv.errors import EnvCrashedError, EnvCrashLoopError, EnvError, EnvStateError
 from multienv.protocol import (
+    PLANNED_OK,
     Batch,
     BatchResult,
     Command,
@@ -59,6 +60,7 @@ from multienv.protocol import (
     RemoteTraceback,
     Reply,
     Request,
+    StepPlan,
 )
 from multienv.restart import RestartPolicy
 
@@ -126,6 +128,12 @@ class WorkerHandle(Protocol):
     def collect_batch(self, deadline: float | None) -> BatchResult | Death:
         """Wait for the batch's result (``obs`` None when in shared memory), or the death."""
 
+    def submit_planned(self, plan: StepPlan, env_slice: slice) -> None:
+        """Send this worker's part (its envs are ``env_slice`` of the vector) of a plan."""
+
+    def collect_planned(self, deadline: float | None) -> BatchResult | Death | None:
+        """Wait for this worker's part of a plan: None when everything is in shared memory."""
+
     @property
     def is_linked(self) -> bool:
         """Whether observations travel through a vector's shared memory."""
@@ -183,6 +191,16 @@ class VectorLink(Protocol):
     def observations(self, env_ids: Sequence[int] | None, copy: bool) -> Any:
         """The batched observations of ``env_ids`` (all envs when None)."""
 
+    def plan_step(self, actions: Any, is_reset: np.ndarray, autoreset: bool) -> StepPlan | None:
+        """Prepare a whole step for every env at once, or None if this link cannot."""
+
+    def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Finish ``index`` of a plan whose workers all came back clean.
+
+        Returns:
+            Copies of those envs' rewards, terminated and truncated flags.
+        """
+
     def close(self) -> None:
         """Release what the link holds (shared memory, pipes)."""
 
@@ -198,6 +216,8 @@ class _Pending:
     request: Request | None
     deadline: float | None
     sent_at: float
+    plan: StepPlan | None = None  # a planned step: this worker's envs are plan_slice
+    plan_slice: slice | None = None
 
 
 def subset(batch: Batch, items: Sequence[int]) -> Batch:
@@ -392,23 +412,60 @@ class WorkerSupervisor:
         if len(sent.positions):
             self.handle.submit_batch(sent)
 
-    def finish(self) -> tuple[BatchResult, dict[int, Exception]]:
+    def submit_planned(self, plan: StepPlan, env_slice: slice) -> None:
+        """Send this worker's part of a vector's planned step (its envs are ``env_slice``).
+
+        Falls back to ``submit()`` of the same envs when the worker has anything unusual to
+        sort out first (a call in flight, envs that lost their episode, not ready).
+        """
+        if self._state is not EnvState.READY or self._pending is not None or self._lost:
+            self.submit(plan.batch(env_slice))
+            return
+        deadline = None
+        if self._step_timeout is not None or self._reset_timeout is not None:
+            num_resets = int(np.count_nonzero(plan.is_reset[env_slice]))
+            num_steps = env_slice.stop - env_slice.start - num_resets
+            deadline = self._batch_deadline(num_steps, num_resets)
+        self._pending = _Pending(
+            None, None, None, {}, None, deadline, time.perf_counter(), plan, env_slice
+        )
+        self.handle.submit_planned(plan, env_slice)
+
+    def finish(self) -> tuple[BatchResult | None, dict[int, Exception]]:
         """Collect the batch ``submit()`` sent: its result, and ``EnvError``s by item index.
+
+        The result is ``PLANNED_OK`` (None) for a clean planned step: everything is in the
+        vector's shared memory, and the vector reads it (and counts it) for all envs at once.
 
         Raises:
             EnvCrashLoopError: The worker died and the restart budget is spent.
         """
         pending = self._pending
-        if pending is None or pending.batch is None:
+        if pending is not None and pending.plan is not None:
+            assert pending.plan_slice is not None
+            planned = self.handle.collect_planned(pending.deadline)
+            if planned is PLANNED_OK:
+                self._pending = None
+                self._consecutive_restarts = 0
+                self.step_latencies_s.append(time.perf_counter() - pending.sent_at)
+                return PLANNED_OK, {}
+            pending.batch = pending.sent = pending.plan.batch(pending.plan_slice)
+            collected: BatchResult | Death = planned
+        elif pending is None or pending.batch is None:
             raise EnvStateError(
                 f"env {self.env_indices[0]}: no step or reset is in flight; send one first.",
                 env_index=self.env_indices[0],
             )
-        batch, sent = pending.batch, pending.sent
-        assert sent is not None
-        collected = (
-            self.handle.collect_batch(pending.deadline) if len(sent.positions) else _empty_result(0)
-        )
+        else:
+            sent = pending.sent
+            assert sent is not None
+            collected = (
+                self.handle.collect_batch(pending.deadline)
+                if len(sent.positions)
+                else _empty_result(0)
+            )
+        batch = pending.batch
+        assert batch is not None
         self._pending = None
         if isinstance(collected, Death):
             return self._recover_batch(batch, collected.cause)
@@ -441,7 +498,9 @@ class WorkerSupervisor:
     def run(self, batch: Batch) -> tuple[BatchResult, dict[int, Exception]]:
         """``submit()`` then ``finish()``."""
         self.submit(batch)
-        return self.finish()
+        result, errors = self.finish()
+        assert result is not None
+        return result, errors
 
     def request(self, position: int, command: Command, payload: Any) -> Any:
         """Run one call on one env; a death respawns the worker and replays the call once more.
@@ -589,7 +648,7 @@ class WorkerSupervisor:
         logger.debug("env %d: discarding an interrupted call", self.env_indices[0])
         if pending is None:
             return
-        if pending.batch is not None:
+        if pending.batch is not None or pending.plan is not None:
             self.finish()
             return
         reply = self.handle.collect(pending.deadline)
@@ -896,6 +955,7 @@ class RemoteEnv(gym.Env[Any, Any]):
         result, errors = self._supervisor.finish()
         if errors:
             raise errors[0]
+        assert result is not None  # a single env's batch is never a planned step
         return result
 
     def _request(self, command: Command, payload: Any) -> Any:

@@ -13,6 +13,7 @@ follows lives with the supervisor in ``multienv.proxy``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -20,6 +21,7 @@ import multiprocessing
 import os
 import select
 import signal
+import struct
 import sys
 import threading
 import time
@@ -45,6 +47,7 @@ from multienv.protocol import (
     FAST_ITEM,
     IS_AUTORESET,
     IS_SLOT_1,
+    PLANNED_OK,
     Batch,
     BatchResult,
     Command,
@@ -52,6 +55,7 @@ from multienv.protocol import (
     Outcome,
     Reply,
     Request,
+    StepPlan,
     decode,
     encode,
     frame,
@@ -78,6 +82,15 @@ _STDERR_TAIL_LINES = 30
 _ITEM_DTYPE = np.dtype([("position", "<u2"), ("flags", "u1")])  # FAST_ITEM, as numpy
 assert _ITEM_DTYPE.itemsize == FAST_ITEM.size
 _DONE_OK_REPLY = Reply()  # what a DONE_OK record stands for
+_header = struct.Struct("!I").pack  # protocol.frame()'s length prefix, for joined parts
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanWire:
+    """A planned step, encoded once for all envs: the FAST_ITEMs and the slots they write."""
+
+    items: bytes
+    slots: np.ndarray
 
 
 def resolve_context(context: BaseContext | str | None, preload: Sequence[str] = ()) -> BaseContext:
@@ -164,7 +177,7 @@ class ProcessHandle:
         self._done_read = -1
         self._seq = 0  # of the last fast batch, 1 to 255
         self._notify_seq = 0  # the in-flight fast batch's seq; 0 when its reply is a message
-        self._batch_env_ids: np.ndarray | None = None  # the in-flight batch's env indices
+        self._batch_env_ids: Any = None  # the in-flight batch's env indices (array or slice)
         self._batch_slots: np.ndarray | None = None  # and the slots it writes
         self._batch: Batch | None = None
 
@@ -341,13 +354,37 @@ class ProcessHandle:
             body = bytes((FAST_BATCH, self._seq)) + items.tobytes()
         self._send(frame(body))
 
+    def submit_planned(self, plan: StepPlan, env_slice: slice) -> None:
+        """Send this worker's slice of a planned step: its items were encoded for all envs."""
+        wire: _PlanWire = plan.wire
+        self._batch = None
+        self._batch_env_ids, self._batch_slots = env_slice, wire.slots[env_slice]
+        self._seq = self._notify_seq = self._seq % 255 + 1
+        size = FAST_ITEM.size
+        body = wire.items[env_slice.start * size : env_slice.stop * size]
+        self._send(_header(len(body) + 2) + bytes((FAST_BATCH, self._seq)) + body)
+
+    def collect_planned(self, deadline: float | None) -> BatchResult | Death | None:
+        """Wait for this worker's slice of a plan: None when all of it is in shared memory."""
+        reply = self._receive(deadline)
+        if reply is _DONE_OK_REPLY:
+            return PLANNED_OK
+        return reply if isinstance(reply, Death) else self._batch_result(reply)
+
     def collect_batch(self, deadline: float | None) -> BatchResult | Death:
         """Wait for the batch's result, or the worker's death."""
         reply = self._receive(deadline)
+        return reply if isinstance(reply, Death) else self._batch_result(reply)
+
+    def _batch_result(self, reply: Reply) -> BatchResult:
+        """The result of the batch in flight, from its reply and the shared memory."""
         batch, env_ids = self._batch, self._batch_env_ids
-        assert batch is not None
-        if isinstance(reply, Death):
-            return reply
+        if batch is None:  # a planned step's slice
+            assert isinstance(env_ids, slice)
+            count = env_ids.stop - env_ids.start
+            batch = self._batch = Batch(
+                list(range(count)), np.zeros(count, dtype=np.bool_), None, is_whole=True
+            )
         if reply.failure is not None:  # the request itself failed; blame every item
             failed = Outcome(failure=reply.failure)
             size = len(batch.positions)
@@ -583,6 +620,14 @@ class SubprocessLink:
         self._handles = list(handles)
         for worker_index, handle in enumerate(handles):
             handle.set_link(self._shared, worker_index, env_indices[worker_index])
+        # Planned steps need env e at position e - first of its worker, workers in order.
+        flat = [i for indices in env_indices for i in indices]
+        self._plan_items: np.ndarray | None = None
+        if self._shared is not None and flat == list(range(num_envs)):
+            self._plan_items = np.zeros(num_envs, dtype=_ITEM_DTYPE)
+            self._plan_items["position"] = [
+                p for indices in env_indices for p in range(len(indices))
+            ]
 
     def wait_any(
         self,
@@ -639,6 +684,32 @@ class SubprocessLink:
         """The batched observations from shared memory."""
         assert self._shared is not None
         return self._shared.observations(env_ids, copy=copy)
+
+    def plan_step(self, actions: Any, is_reset: np.ndarray, autoreset: bool) -> StepPlan | None:
+        """Write every env's action and encode every env's item at once (array spaces only)."""
+        shared, items = self._shared, self._plan_items
+        if shared is None or shared.actions is None or items is None:
+            return None
+        if not np.count_nonzero(is_reset):
+            shared.actions[:] = actions
+        else:
+            steps = ~is_reset
+            shared.actions[steps] = actions[steps]
+        slots = 1 - shared.slot  # never the slot the caller saw last
+        items["flags"] = (
+            is_reset.view(np.uint8)
+            | (IS_AUTORESET if autoreset else 0)
+            | (slots.view(np.uint8) << 2)
+        )
+        return StepPlan(actions, is_reset, autoreset, _PlanWire(items.tobytes(), slots))
+
+    def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Move ``index`` of a clean plan to its new slots; copies of rewards and flags."""
+        shared = self._shared
+        assert shared is not None
+        shared.slot[index] = plan.wire.slots[index]
+        flags = shared.flags
+        return shared.rewards[index].copy(), flags[0, index].copy(), flags[1, index].copy()
 
     def close(self) -> None:
         """Free the shared memory; the handles forget it."""
