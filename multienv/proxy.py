@@ -295,6 +295,7 @@ class WorkerSupervisor:
         self._state = EnvState.CREATED
         self._init_deadline: float | None = None
         self._pending: _Pending | None = None
+        self._planned = _Pending(None, None, None, {}, None, None, 0.0)  # see submit_planned
         self._lost: dict[int, str] = {}  # positions whose episode a death cut, not yet told
         self._last_obs: list[Any] = [None] * len(self.env_indices)  # when not in shared memory
         self._restart_times: list[float] = []
@@ -426,9 +427,11 @@ class WorkerSupervisor:
             num_resets = int(np.count_nonzero(plan.is_reset[env_slice]))
             num_steps = env_slice.stop - env_slice.start - num_resets
             deadline = self._batch_deadline(num_steps, num_resets)
-        self._pending = _Pending(
-            None, None, None, {}, None, deadline, time.perf_counter(), plan, env_slice
-        )
+        pending = self._planned  # reused: this runs for every worker on every step
+        pending.batch = pending.sent = None
+        pending.plan, pending.plan_slice, pending.deadline = plan, env_slice, deadline
+        pending.sent_at = time.perf_counter()
+        self._pending = pending
         self.handle.submit_planned(plan, env_slice)
 
     def finish(self) -> tuple[BatchResult | None, dict[int, Exception]]:

@@ -12,7 +12,9 @@ installed here). Workloads: cheap (CartPole-v1), heavy (1 ms of CPU per step), b
 (210x160x3 uint8 observations), straggler (0.2 ms of CPU per step; 5% of steps also sleep
 10 ms). multienv runs with ``envs_per_worker`` k in {1, N/2, N}; "multienv async" keeps
 every env in flight with ``send``/``recv(batch_size=N // 2)``; the others step the whole
-batch in lock step. Shared-memory vectors return views (``copy=False``), as PufferLib does.
+batch in lock step. Gymnasium and multienv return copies of the observations (their default,
+``copy=True``); PufferLib returns views, and so does the row "multienv k=N/2 views"
+(``copy=False``).
 
 Every sample runs in a fresh process; implementations are interleaved in rounds; each
 figure is the median over rounds, and each ratio is the median of the ratios measured
@@ -271,6 +273,7 @@ def implementations(n: int) -> list[str]:
     if is_installed("pufferlib.vector"):
         names += [f"PufferLib workers={w}" for w in (1, 2) if n % w == 0]
     names += [f"multienv k={k}" for k in sorted({1, max(1, n // 2), n})]
+    names.append(f"multienv k={max(1, n // 2)} views")
     names.append("multienv async k=1")
     return names
 
@@ -280,9 +283,7 @@ def run_implementation(name: str, fns: list[Callable[[], gym.Env]], steps: int) 
     if name == "sequential loop":
         return run_loop(fns, steps)
     if name == "gymnasium AsyncVectorEnv":
-        return run_vector(
-            lambda: gym.vector.AsyncVectorEnv(fns, shared_memory=True, copy=False), n, steps
-        )
+        return run_vector(lambda: gym.vector.AsyncVectorEnv(fns, shared_memory=True), n, steps)
     if name == "SB3 SubprocVecEnv":
         from stable_baselines3.common.vec_env import SubprocVecEnv
 
@@ -293,8 +294,10 @@ def run_implementation(name: str, fns: list[Callable[[], gym.Env]], steps: int) 
         return run_pufferlib(fns, int(name.rpartition("=")[2]), steps)
     if name == "multienv async k=1":
         return run_multienv_async(fns, steps)
-    k = int(name.rpartition("=")[2])
-    return run_vector(lambda: MultiEnv(fns, envs_per_worker=k, copy=False), n, steps)
+    k, _, views = name.rpartition("=")[2].partition(" ")
+    return run_vector(
+        lambda: MultiEnv(fns, envs_per_worker=int(k), copy=views != "views"), n, steps
+    )
 
 
 # ----------------------------------------------------------------- throughput table
