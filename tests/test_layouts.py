@@ -33,7 +33,7 @@ from tests.envs import (
     SlowReset,
     TextObsEnv,
 )
-from tests.test_multi_env import assert_same_tree
+from tests.test_multi_env import run_side_by_side
 
 N = 7
 LAYOUTS = [1, 3, N]
@@ -72,26 +72,8 @@ def test_env_i_lives_in_worker_i_floor_k_and_pid_names_its_process(k):
 @modes
 @pytest.mark.parametrize("factory", [cartpole, DictObsEnv, TextObsEnv], ids=lambda f: f.__name__)
 def test_matches_sync_vector_env_step_by_step(k, mode, factory):
-    fns = [factory] * N
-    ours = MultiEnv(fns, autoreset_mode=mode, envs_per_worker=k)
-    ref = SyncVectorEnv(fns, autoreset_mode=mode)
-    try:
-        assert_same_tree(ours.reset(seed=11), ref.reset(seed=11), "reset")
-        ref.action_space.seed(11)
-        ended = 0
-        for t in range(200):
-            actions = ref.action_space.sample()
-            got, want = ours.step(actions), ref.step(actions)
-            assert_same_tree(list(got), list(want), f"step {t}")
-            done = want[2] | want[3]
-            ended += int(done.sum())
-            if mode is AutoresetMode.DISABLED and done.any():
-                options = {"reset_mask": done}
-                assert_same_tree(ours.reset(options=dict(options)), ref.reset(options=options), t)
-        assert ended > N
-    finally:
-        ours.close()
-        ref.close()
+    ended = run_side_by_side(factory, mode, steps=200, num_envs=N, seed=11, envs_per_worker=k)
+    assert ended > N
 
 
 @pytest.mark.fault

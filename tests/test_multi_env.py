@@ -42,10 +42,11 @@ def assert_same_tree(a, b, where):
         np.testing.assert_array_equal(a, b, err_msg=where)
 
 
-def run_side_by_side(factory, mode, steps, num_envs=4, seed=7):
+def run_side_by_side(factory, mode, steps, num_envs=4, seed=7, **options):
     """Step MultiEnv and SyncVectorEnv with the same actions; return how many episodes ended."""
     fns = [factory] * num_envs
-    ours, ref = MultiEnv(fns, autoreset_mode=mode), SyncVectorEnv(fns, autoreset_mode=mode)
+    ours = MultiEnv(fns, autoreset_mode=mode, **options)
+    ref = SyncVectorEnv(fns, autoreset_mode=mode)
     ended = 0
     try:
         assert_same_tree(ours.reset(seed=seed), ref.reset(seed=seed), "reset")
