@@ -56,6 +56,7 @@ class _Worker:
     index: Any  # env_ids as a slice when contiguous, else an index array
     position_array: Any = None  # positions as an index array
     is_whole: bool = False  # all of the worker's envs are here, in position order
+    position_of: dict[int, int] = dataclasses.field(default_factory=dict)  # by env index
 
 
 # What one worker's batch came back as: its result and errors by env index, or one error
@@ -363,8 +364,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         for number, where in sorted(by_worker.items()):
             worker = self._workers[number]
             env_list = [ids[p] for p in where]
-            position_of = dict(zip(worker.env_ids, worker.positions, strict=True))
-            positions = [position_of[env_index] for env_index in env_list]
+            positions = [worker.position_of[env_index] for env_index in env_list]
             batch = Batch(
                 positions,
                 self._autoreset.resets(env_list),
@@ -928,6 +928,7 @@ def _group_by_worker(proxies: Sequence[RemoteEnv]) -> list[_Worker]:
         workers[key].positions.append(proxy.position)
     for worker in workers.values():
         worker.position_array = np.asarray(worker.positions, dtype=np.intp)
+        worker.position_of = dict(zip(worker.env_ids, worker.positions, strict=True))
         worker.is_whole = worker.positions == list(range(len(worker.supervisor.env_indices)))
         first, count = worker.env_ids[0], len(worker.env_ids)
         if worker.env_ids == list(range(first, first + count)):

@@ -585,6 +585,16 @@ class WorkerSupervisor:
     ) -> None:
         """Count steps and episodes, keep the latency and (unshared) observations."""
         failed = [item for item, extra in result.extras.items() if extra.failure is not None]
+        if len(batch.positions) == 1:  # one env (send/recv at k=1): scalars are faster
+            position = batch.positions[0]
+            if not failed and not batch.is_reset[0]:
+                self.steps[position] += 1
+                if result.terminated[0] or result.truncated[0]:
+                    self.episodes[position] += 1
+                self.step_latencies_s.append(elapsed)
+            if result.obs is not None and not failed and 0 not in lost:
+                self._last_obs[position] = result.obs[0]
+            return
         done = result.terminated | result.truncated
         if batch.is_whole and not failed and not np.count_nonzero(batch.is_reset):
             self.steps += 1  # the common case: every env of the worker stepped

@@ -313,12 +313,15 @@ class ProcessHandle:
             self._send(frame(encode(Request(Command.BATCH, -1, batch.orders()))))
             return
         size = len(batch.positions)
-        # A whole worker of contiguous envs is a slice: views, no fancy indexing.
-        env_ids: Any = (
-            self._env_slice
-            if batch.is_whole and self._env_slice is not None
-            else self._env_index_array[batch.positions]
-        )
+        # A whole worker of contiguous envs, or a single env, is a slice: no fancy indexing.
+        env_ids: Any
+        if batch.is_whole and self._env_slice is not None:
+            env_ids = self._env_slice
+        elif size == 1:
+            env_index = self._env_indices[batch.positions[0]]
+            env_ids = slice(env_index, env_index + 1)
+        else:
+            env_ids = self._env_index_array[batch.positions]
         slots = 1 - shared.slot[env_ids]  # never the slot the caller saw last
         self._batch_env_ids, self._batch_slots = env_ids, slots
         is_reset = batch.is_reset
