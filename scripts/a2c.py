@@ -285,7 +285,8 @@ class Recorder:
             f"\n{status}: {self.env_steps:,} env steps in {elapsed:.1f} s "
             f"({self.env_steps / elapsed:,.0f} steps/s); {len(self.rows)} episodes, mean of "
             f"last {self.args.window} complete episodes {self.mean_return:.1f}; workers "
-            f"killed {len(self.kill_steps)}, respawned {restarts}; final losses "
+            f"killed {len(self.kill_steps)}, env restarts {restarts} (each kill restarts every "
+            "env of that worker); final losses "
             f"{', '.join(f'{k} {v:.3g}' for k, v in losses.items())}; outputs in {self.out_dir}",
             file=sys.stderr,
         )

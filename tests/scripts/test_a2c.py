@@ -112,13 +112,23 @@ def test_a3c_main_runs_and_writes_outputs(tmp_path, capsys):
     assert "budget ran out" in capsys.readouterr().err
 
 
-def test_a2c_chaos_smoke_kills_and_respawns(tmp_path, capsys):
-    a2c.main(a2c.Args(total_steps=512, num_envs=2, chaos_kill_every=64, out_dir=str(tmp_path)))
-    summary = capsys.readouterr().err
-    killed, respawned = map(
-        int, re.search(r"workers killed (\d+), respawned (\d+)", summary).groups()
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
+def test_a2c_chaos_smoke_kills_and_respawns(tmp_path, capsys, envs_per_worker):
+    a2c.main(
+        a2c.Args(
+            total_steps=512,
+            num_envs=2 * envs_per_worker,
+            envs_per_worker=envs_per_worker,
+            chaos_kill_every=64,
+            out_dir=str(tmp_path),
+        )
     )
-    assert killed == respawned == 7  # at 64, 128, ..., 448 env steps
+    summary = capsys.readouterr().err
+    killed, restarts = map(
+        int, re.search(r"workers killed (\d+), env restarts (\d+)", summary).groups()
+    )
+    assert killed == 7  # at 64, 128, ..., 448 env steps
+    assert restarts == killed * envs_per_worker  # a kill restarts every env of its worker
 
 
 @pytest.mark.slow
