@@ -318,11 +318,6 @@ class WorkerSupervisor:
         """The deadline of the call in flight, if any."""
         return None if self._pending is None else self._pending.deadline
 
-    @property
-    def is_busy(self) -> bool:
-        """Whether a call is in flight."""
-        return self._pending is not None
-
     def start(self, name: str = "start") -> None:
         """Launch the worker, which starts building its envs; returns without waiting."""
         self.require(EnvState.CREATED, name, self.env_indices[0])
