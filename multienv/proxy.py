@@ -198,7 +198,8 @@ class VectorLink(Protocol):
         """Finish ``index`` of a plan whose workers all came back clean.
 
         Returns:
-            Copies of those envs' rewards, terminated and truncated flags.
+            Those envs' rewards, terminated and truncated flags: views that the next step
+            overwrites, so read them at once.
         """
 
     def close(self) -> None:

@@ -707,12 +707,12 @@ class SubprocessLink:
         return StepPlan(actions, is_reset, autoreset, _PlanWire(items.tobytes(), slots))
 
     def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Move ``index`` of a clean plan to its new slots; copies of rewards and flags."""
+        """Move ``index`` of a clean plan to its new slots; views of its rewards and flags."""
         shared = self._shared
         assert shared is not None
         shared.slot[index] = plan.wire.slots[index]
         flags = shared.flags
-        return shared.rewards[index].copy(), flags[0, index].copy(), flags[1, index].copy()
+        return shared.rewards[index], flags[0, index], flags[1, index]
 
     def close(self) -> None:
         """Free the shared memory; the handles forget it."""
