@@ -18,7 +18,16 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from multienv.protocol import Command, EnvDescription, Outcome, RemoteFailure
+from multienv.protocol import (
+    Command,
+    EnvDescription,
+    Order,
+    Outcome,
+    RemoteFailure,
+    Reply,
+    Request,
+    encode,
+)
 
 ObsCheck = Callable[[Any], "str | None"]
 PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
@@ -88,6 +97,25 @@ class EnvRunner:
             outcome.reset = self.reset(position)
         return outcome
 
+    def run(self, order: Order) -> Outcome:
+        """Run one order; an env exception becomes its failure (the other orders go on)."""
+        try:
+            if order.is_reset:
+                obs, info = self.reset(order.position, order.seed, order.options)
+                return Outcome(obs, info=info)
+            return self.step(order.position, order.action, order.autoreset)
+        except Exception as exc:  # noqa: BLE001 - reported for this env only
+            return Outcome(failure=package_failure(exc, order.position))
+
+    def serve(self, request: Request) -> Reply:
+        """Answer a pickled ``BATCH`` or one-env call; an env exception becomes the failure."""
+        try:
+            if request.command is Command.BATCH:
+                return Reply([self.run(order) for order in request.payload])
+            return Reply(self.call(request.position, request.command, request.payload))
+        except Exception as exc:  # noqa: BLE001 - env errors go back to the parent as EnvError
+            return Reply(failure=package_failure(exc, request.position))
+
     def call(self, position: int, command: Command, payload: Any) -> Any:
         """Serve ``render``, ``call``, ``get_attr`` or ``set_attr`` for one env."""
         env = self.envs[position]
@@ -146,6 +174,42 @@ def explain_unpicklable(name: str, outcome: Outcome, exc: Exception) -> TypeErro
                     f"cannot be pickled ({key_exc}); return plain data in info"
                 )
     return TypeError(f"the reply to {name}() cannot be pickled ({exc}); return plain data")
+
+
+def encode_reply(reply: Reply, request: Request | None, resets: set[int] | None = None) -> bytes:
+    """Pickle a reply; an outcome that cannot be pickled becomes a TypeError naming its key.
+
+    Args:
+        reply: The reply to send.
+        request: The pickled request it answers, or None for a fast batch (whose reply's
+            value is a dict of outcomes by position).
+        resets: For a fast batch, the positions whose order was a reset.
+    """
+    try:
+        return encode(reply)
+    except PICKLE_ERRORS as exc:
+        if request is not None and request.command is not Command.BATCH:
+            problem = TypeError(
+                f"the reply to {request.command.name.lower()}() cannot be pickled ({exc}); "
+                "return plain data"
+            )
+            return encode(Reply(failure=package_failure(problem, request.position)))
+    outcomes = reply.value
+    keys = list(outcomes) if isinstance(outcomes, dict) else range(len(outcomes))
+    for key in keys:
+        outcome = outcomes[key]
+        if request is None:
+            position, is_reset = key, key in (resets or set())
+        else:
+            order = request.payload[key]
+            position, is_reset = order.position, order.is_reset
+        try:
+            encode(outcome)
+        except PICKLE_ERRORS as item_exc:
+            name = "reset" if is_reset else "step"
+            problem = explain_unpicklable(name, outcome, item_exc)
+            outcomes[key] = Outcome(failure=package_failure(problem, position))
+    return encode(reply)
 
 
 def _picklable_or_none(value: Any) -> Any:

@@ -42,10 +42,9 @@ from multienv.protocol import (
     write_message,
 )
 from multienv.runner import (
-    PICKLE_ERRORS,
     BuildError,
     EnvRunner,
-    explain_unpicklable,
+    encode_reply,
     package_failure,
 )
 from multienv.shared_memory import BatchLayout, SlotWriter
@@ -134,15 +133,14 @@ class _Loop:
             if message.command is Command.ATTACH:
                 self._attach(message.payload)
                 continue
-            try:
-                if message.command is Command.BATCH:
-                    value: Any = self._batch(message.payload)
-                else:
-                    value = self.runner.call(message.position, message.command, message.payload)
-                reply = Reply(value)
-            except Exception as exc:  # noqa: BLE001 - env errors go back to the parent as EnvError
-                reply = Reply(failure=package_failure(exc, message.position))
-            write_message(self.fd, self._encode(reply, message))
+            if message.command is Command.BATCH and self.writer is not None:
+                try:
+                    reply = self._batch(message.payload)
+                except Exception as exc:  # noqa: BLE001 - reported to the parent, as EnvError
+                    reply = Reply(failure=package_failure(exc, message.position))
+            else:
+                reply = self.runner.serve(message)
+            write_message(self.fd, encode_reply(reply, message))
 
     def _attach(self, payload: tuple[BatchLayout, int, list[int]]) -> None:
         # The parent sends the fds only after this ack, so no read of ours can swallow them.
@@ -154,20 +152,17 @@ class _Loop:
         )
         write_message(self.fd, encode(Reply()))
 
+    def _batch(self, orders: list[Order]) -> Reply:
+        """Run pickled orders whose observations go to shared-memory slots."""
+        return Reply([self._run(order) for order in orders])
+
     def _run(self, order: Order) -> Outcome:
-        """Run one pickled order; an env exception becomes its failure (siblings go on)."""
-        runner, writer, position, slot = self.runner, self.writer, order.position, order.slot
-        try:
-            if order.is_reset:
-                obs, info = runner.reset(position, order.seed, order.options)
-                outcome = Outcome(obs, info=info)
-            else:
-                outcome = runner.step(position, order.action, order.autoreset)
-        except Exception as exc:  # noqa: BLE001 - reported for this env only
-            return Outcome(failure=package_failure(exc, position))
-        if slot is None:
+        outcome = self.runner.run(order)
+        writer, slot = self.writer, order.slot
+        if slot is None or outcome.failure is not None:
             return outcome
         assert writer is not None
+        position = order.position
         writer.write_results(
             [position], [outcome.reward], [outcome.terminated], [outcome.truncated]
         )
@@ -178,9 +173,6 @@ class _Loop:
             writer.write_obs(position, slot, outcome.obs)
             outcome.obs = None
         return outcome
-
-    def _batch(self, orders: list[Order]) -> list[Outcome]:
-        return [self._run(order) for order in orders]
 
     def _fast_batch(self, request: bytes) -> None:
         """Run a fast batch: everything but infos and errors goes through shared memory.
@@ -236,43 +228,7 @@ class _Loop:
             writer.notify(seq, DONE_OK)
             return
         writer.notify(seq, DONE_REPLY)
-        write_message(self.fd, self._encode(Reply(extras), None, resets))
-
-    def _encode(
-        self, reply: Reply, request: Request | None, resets: set[int] | None = None
-    ) -> bytes:
-        """Pickle a reply; an outcome that cannot be pickled becomes a TypeError naming its key.
-
-        Args:
-            reply: The reply to send.
-            request: The pickled request it answers, or None for a fast batch.
-            resets: For a fast batch, the positions whose order was a reset.
-        """
-        try:
-            return encode(reply)
-        except PICKLE_ERRORS as exc:
-            if request is not None and request.command is not Command.BATCH:
-                problem = TypeError(
-                    f"the reply to {request.command.name.lower()}() cannot be pickled ({exc}); "
-                    "return plain data"
-                )
-                return encode(Reply(failure=package_failure(problem, request.position)))
-        outcomes = reply.value
-        keys = list(outcomes) if isinstance(outcomes, dict) else range(len(outcomes))
-        for key in keys:
-            outcome = outcomes[key]
-            if request is None:
-                position, is_reset = key, key in (resets or set())
-            else:
-                order = request.payload[key]
-                position, is_reset = order.position, order.is_reset
-            try:
-                encode(outcome)
-            except PICKLE_ERRORS as item_exc:
-                name = "reset" if is_reset else "step"
-                problem = explain_unpicklable(name, outcome, item_exc)
-                outcomes[key] = Outcome(failure=package_failure(problem, position))
-        return encode(reply)
+        write_message(self.fd, encode_reply(Reply(extras), None, resets))
 
 
 def _libc() -> Any:
