@@ -1,4 +1,4 @@
-"""multienv: many Gymnasium envs in worker processes, one batched VectorEnv that survives crashes.
+"""multienv: many Gymnasium envs in worker processes or Ray actors, one crash-proof VectorEnv.
 
 Public API only: re-exports, ``__all__`` and ``__version__``.
 """
@@ -13,6 +13,7 @@ from multienv.errors import (
 from multienv.multi_env import MultiEnv
 from multienv.protocol import RemoteTraceback
 from multienv.proxy import EnvState
+from multienv.ray_env import RayEnv, RayOptions, create_ray_envs
 from multienv.restart import RestartPolicy
 from multienv.subprocess_env import SubprocessEnv, create_subprocess_envs
 
@@ -26,9 +27,12 @@ __all__ = [
     "EnvStateError",
     "MultiEnv",
     "MultiEnvError",
+    "RayEnv",
+    "RayOptions",
     "RemoteTraceback",
     "RestartPolicy",
     "SubprocessEnv",
     "__version__",
+    "create_ray_envs",
     "create_subprocess_envs",
 ]

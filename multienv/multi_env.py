@@ -36,7 +36,10 @@ logger = logging.getLogger(__name__)
 
 # Where each backend's ``create_*_envs(env_fns, envs_per_worker=..., **options)`` lives;
 # imported only when used, so MultiEnv imports no transport.
-_BACKENDS = {"subprocess": "multienv.subprocess_env:create_subprocess_envs"}
+_BACKENDS = {
+    "subprocess": "multienv.subprocess_env:create_subprocess_envs",
+    "ray": "multienv.ray_env:create_ray_envs",
+}
 
 _ARRAY_ACTION_SPACES = (
     gym.spaces.Box,
@@ -94,9 +97,11 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             oversubscribe the cores.
         envs_per_worker: With env factories, how many envs each worker process hosts (env i
             in worker ``i // envs_per_worker``); see ``create_subprocess_envs``.
-        backend: With env factories, where the workers run: ``"subprocess"`` (the only
-            backend so far).
-        **options: ``SubprocessEnv`` options, used only when ``envs`` are factories.
+        backend: With env factories, where the workers run: ``"subprocess"`` (daemon
+            processes on this machine) or ``"ray"`` (Ray actors, on a cluster; needs
+            ``multienv[ray]``, see ``create_ray_envs``).
+        **options: ``SubprocessEnv`` or ``RayEnv`` options (``ray_options=RayOptions(...)``
+            for Ray), used only when ``envs`` are factories.
     """
 
     def __init__(

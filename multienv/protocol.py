@@ -209,6 +209,40 @@ class BatchResult:
     extras: dict[int, Outcome]
 
 
+def unpack_outcomes(outcomes: list[Outcome]) -> BatchResult:
+    """A pickled batch's outcomes as a ``BatchResult`` (obs as the caller sees them now)."""
+    size = len(outcomes)
+    rewards = np.zeros(size, dtype=np.float64)
+    terminated = np.zeros(size, dtype=np.bool_)
+    truncated = np.zeros(size, dtype=np.bool_)
+    obs: list[Any] = [None] * size
+    extras: dict[int, Outcome] = {}
+    for item, outcome in enumerate(outcomes):
+        rewards[item] = outcome.reward
+        terminated[item] = outcome.terminated
+        truncated[item] = outcome.truncated
+        if outcome.reset is not None:
+            obs[item] = outcome.reset[0]
+            extras[item] = outcome
+        else:
+            obs[item] = outcome.obs
+            if outcome.info or outcome.failure is not None:
+                extras[item] = Outcome(info=outcome.info, failure=outcome.failure)
+    return BatchResult(rewards, terminated, truncated, obs, extras)
+
+
+def failed_batch(size: int, failure: RemoteFailure, has_obs: bool) -> BatchResult:
+    """The result of a batch whose request failed as a whole: every item carries ``failure``."""
+    failed = Outcome(failure=failure)
+    return BatchResult(
+        np.zeros(size),
+        np.zeros(size, dtype=np.bool_),
+        np.zeros(size, dtype=np.bool_),
+        [None] * size if has_obs else None,
+        dict.fromkeys(range(size), failed),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvDescription:
     """What ``initialize()`` caches from the worker, so the parent never builds a throwaway env."""

@@ -27,19 +27,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import send_handle
 from typing import Any
 
-import cloudpickle
 import gymnasium as gym
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 
+from multienv.factory import check_timeouts, create_envs, pickle_env_fn
 from multienv.forkserver import forkserver_context
 from multienv.protocol import (
     DONE_OK,
@@ -58,7 +56,9 @@ from multienv.protocol import (
     StepPlan,
     decode,
     encode,
+    failed_batch,
     frame,
+    unpack_outcomes,
     worker_main,
     write_frame,
     write_message,
@@ -128,21 +128,6 @@ def _checked_preload(preload: Sequence[str], env_index: int) -> tuple[str, ...]:
                 f"env {env_index}: preload names {name!r}, but no module {top_level!r} is installed"
             )
     return names
-
-
-def _pickle_env_fn(env_fn: EnvFn, env_index: int) -> bytes:
-    if not callable(env_fn):
-        raise TypeError(
-            f"env {env_index}: env_fn must be a zero-argument callable returning a "
-            f"gymnasium.Env, got {type(env_fn).__name__}"
-        )
-    try:
-        return bytes(cloudpickle.dumps(env_fn))
-    except Exception as exc:
-        raise TypeError(
-            f"env {env_index}: env_fn {env_fn!r} cannot be pickled with cloudpickle ({exc}); "
-            "build unpicklable resources inside env_fn instead of capturing them."
-        ) from exc
 
 
 class ProcessHandle:
@@ -389,20 +374,12 @@ class ProcessHandle:
                 list(range(count)), np.zeros(count, dtype=np.bool_), None, is_whole=True
             )
         if reply.failure is not None:  # the request itself failed; blame every item
-            failed = Outcome(failure=reply.failure)
-            size = len(batch.positions)
-            return BatchResult(
-                np.zeros(size),
-                np.zeros(size, dtype=np.bool_),
-                np.zeros(size, dtype=np.bool_),
-                None if env_ids is not None else [None] * size,
-                dict.fromkeys(range(size), failed),
-            )
+            return failed_batch(len(batch.positions), reply.failure, env_ids is None)
         shared = self._shared
         if env_ids is None or shared is None:
-            return _unpack_outcomes(reply.value, None)
+            return unpack_outcomes(reply.value)
         if isinstance(reply.value, list):  # a pickled batch; the obs are in shared memory
-            result = _unpack_outcomes(reply.value, env_ids)
+            result = unpack_outcomes(reply.value)
             result.obs = None
         else:
             extras: dict[int, Outcome] = {}
@@ -572,28 +549,6 @@ class ProcessHandle:
                 process.kill()
                 process.join(5.0)
             return Death(_describe_exit(process.exitcode))
-
-
-def _unpack_outcomes(outcomes: list[Outcome], env_ids: np.ndarray | None) -> BatchResult:
-    """A pickled batch's outcomes as a ``BatchResult`` (obs as the caller sees them now)."""
-    size = len(outcomes)
-    rewards = np.zeros(size, dtype=np.float64)
-    terminated = np.zeros(size, dtype=np.bool_)
-    truncated = np.zeros(size, dtype=np.bool_)
-    obs: list[Any] = [None] * size
-    extras: dict[int, Outcome] = {}
-    for item, outcome in enumerate(outcomes):
-        rewards[item] = outcome.reward
-        terminated[item] = outcome.terminated
-        truncated[item] = outcome.truncated
-        if outcome.reset is not None:
-            obs[item] = outcome.reset[0]
-            extras[item] = outcome
-        else:
-            obs[item] = outcome.obs
-            if outcome.info or outcome.failure is not None:
-                extras[item] = Outcome(info=outcome.info, failure=outcome.failure)
-    return BatchResult(rewards, terminated, truncated, obs, extras)
 
 
 class SubprocessLink:
@@ -831,16 +786,15 @@ def _supervise(
     preload: Sequence[str] = (),
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one worker's handle and supervisor."""
-    for name, value in (
-        ("step_timeout", step_timeout),
-        ("reset_timeout", reset_timeout),
-        ("init_timeout", init_timeout),
-    ):
-        if value is not None and value <= 0:
-            raise ValueError(f"env {first_env_index}: {name} must be > 0 or None, got {value!r}")
+    check_timeouts(
+        first_env_index,
+        step_timeout=step_timeout,
+        reset_timeout=reset_timeout,
+        init_timeout=init_timeout,
+    )
     env_indices = list(range(first_env_index, first_env_index + len(env_fns)))
     env_fn_bytes = [
-        _pickle_env_fn(env_fn, env_index)
+        pickle_env_fn(env_fn, env_index)
         for env_fn, env_index in zip(env_fns, env_indices, strict=True)
     ]
     resolved = resolve_context(context, _checked_preload(preload, first_env_index))
@@ -855,13 +809,6 @@ def _supervise(
         restart_on_error=restart_on_error,
         close_timeout_s=close_timeout_s,
     )
-
-
-def _hosted_env(supervisor: WorkerSupervisor, position: int) -> SubprocessEnv:
-    """The SubprocessEnv of the env at ``position`` of a worker that hosts several."""
-    env = SubprocessEnv.__new__(SubprocessEnv)
-    RemoteEnv.__init__(env, supervisor, position)
-    return env
 
 
 def create_subprocess_envs(
@@ -883,38 +830,13 @@ def create_subprocess_envs(
     """
     if "env_index" in options:
         raise TypeError("create_subprocess_envs() numbers the envs itself; do not pass env_index")
-    if not isinstance(envs_per_worker, int) or envs_per_worker < 1:
-        raise ValueError(f"envs_per_worker must be an int >= 1, got {envs_per_worker!r}")
-    env_fns = list(env_fns)
-    supervisors = [
-        _supervise(env_fns[first : first + envs_per_worker], first, **options)
-        for first in range(0, len(env_fns), envs_per_worker)
-    ]
-    envs = [
-        _hosted_env(supervisor, position)
-        for supervisor in supervisors
-        for position in range(len(supervisor.env_indices))
-    ]
-    try:
-        for supervisor in supervisors:
-            supervisor.start()
-        with ThreadPoolExecutor(
-            max_workers=max(1, min(len(supervisors), 32)), thread_name_prefix="multienv"
-        ) as pool:
-            futures = [pool.submit(supervisor.initialize) for supervisor in supervisors]
-            wait_futures(futures)
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        for error in errors[1:]:
-            logger.error("initialize() failed too: %s", error)
-        if errors:
-            raise errors[0]  # type: ignore[misc]
-        for env in envs:
-            env.describe()
-    except BaseException:
-        for supervisor in supervisors:
-            supervisor.close(timeout=1.0)
-        raise
-    return envs
+    return create_envs(
+        env_fns,
+        envs_per_worker,
+        lambda fns, first: _supervise(fns, first, **options),
+        SubprocessEnv,
+        "create_subprocess_envs",
+    )
 
 
 __all__ = [

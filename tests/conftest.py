@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import pytest
@@ -49,6 +52,85 @@ def live_workers(wait_s: float = 3.0) -> list[int]:
     while (found := _descendant_workers()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return found
+
+
+RAY_ACTOR_TITLE = "ray::MultienvWorker"  # what Ray calls the processes of our actors
+
+
+def live_actors(wait_s: float = 3.0) -> list[int]:
+    """Pids of processes on this machine that host a multienv Ray actor."""
+
+    def find() -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if cmdline.startswith(RAY_ACTOR_TITLE.encode()):
+                found.append(int(entry))
+        return found
+
+    deadline = time.monotonic() + wait_s
+    while (found := find()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local two-CPU Ray cluster for the whole session, quiet; skips if Ray is absent."""
+    ray = pytest.importorskip("ray", reason='Ray is not installed: pip install -e ".[ray]"')
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp_dir = tempfile.mkdtemp(prefix="mr", dir="/tmp")  # AF_UNIX paths: 107 bytes at most
+    ray.init(
+        address="local",
+        num_cpus=2,
+        log_to_driver=False,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+    )
+    try:
+        yield ray
+        leftovers = live_actors()
+        assert leftovers == [], f"multienv Ray actors outlived their tests: {leftovers}"
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A backend and a number of envs per worker, as the contract suite runs them."""
+
+    backend: str
+    k: int
+
+    @property
+    def options(self) -> dict:
+        """MultiEnv's keywords for this layout."""
+        return {"backend": self.backend, "envs_per_worker": self.k}
+
+    def cause(self, signal_name: str) -> str:
+        """The cause a worker killed by ``signal_name`` is reported with."""
+        return signal_name if self.backend == "subprocess" else "actor process died (SYSTEM_ERROR)"
+
+    def live(self) -> list[int]:
+        """This backend's worker processes still alive."""
+        return live_workers() if self.backend == "subprocess" else live_actors()
+
+
+@pytest.fixture
+def layout(request) -> Layout:
+    """The layout a test is parametrised with (``layout`` indirect); starts Ray if needed."""
+    chosen = request.param
+    if chosen.backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    return chosen
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -1,7 +1,11 @@
-"""The MultiEnv contract for every layout: one env per worker, k=3 with N=7, all envs in one.
+"""The MultiEnv contract for every layout and backend.
 
-Each test runs once per layout (``envs_per_worker`` 1, 3 and N, with N=7 so that 3 does
-not divide it), the way SB3 runs its VecEnv suite once per backend.
+Each test runs once per layout: on subprocesses with ``envs_per_worker`` 1, 3 and N (N=7,
+so that 3 does not divide it), and on Ray actors (a local cluster, started once per
+session) with 3, and N where it matters, the way SB3 runs its VecEnv suite once per
+backend. The Ray layouts skip, saying why, when Ray is not installed. Ray with one env per
+actor is left to ``tests/test_ray_backend.py`` and the benchmark: seven actors per test
+would cost the suite more time than it proves.
 """
 
 import functools
@@ -22,7 +26,7 @@ from multienv import (
     RestartPolicy,
     create_subprocess_envs,
 )
-from tests.conftest import live_workers
+from tests.conftest import Layout, live_workers
 from tests.envs import (
     CountingEnv,
     DictObsEnv,
@@ -36,10 +40,24 @@ from tests.envs import (
 from tests.test_multi_env import run_side_by_side
 
 N = 7
-LAYOUTS = [1, 3, N]
 MODES = list(AutoresetMode)
-layouts = pytest.mark.parametrize("k", LAYOUTS, ids=lambda k: f"k{k}")
-modes = pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+SUBPROCESS = [Layout("subprocess", k) for k in (1, 3, N)]
+LAYOUTS = [*SUBPROCESS, Layout("ray", 3)]
+
+
+def _layout_id(layout: Layout) -> str:
+    return f"{layout.backend}-k{layout.k}"
+
+
+layouts = pytest.mark.parametrize("layout", LAYOUTS, indirect=True, ids=_layout_id)
+# The autoreset modes live in MultiEnv, the same for every backend: Ray runs NextStep only.
+layouts_and_modes = pytest.mark.parametrize(
+    ("layout", "mode"),
+    [(layout, mode) for layout in SUBPROCESS for mode in MODES]
+    + [(Layout("ray", k), AutoresetMode.NEXT_STEP) for k in (3, N)],
+    indirect=["layout"],
+    ids=lambda value: _layout_id(value) if isinstance(value, Layout) else value.value,
+)
 
 
 def cartpole():
@@ -56,32 +74,30 @@ def open_fds():
     return len(os.listdir("/proc/self/fd"))
 
 
-@layouts
-def test_env_i_lives_in_worker_i_floor_k_and_pid_names_its_process(k):
-    with MultiEnv([CountingEnv] * N, envs_per_worker=k) as envs:
+@pytest.mark.parametrize("layout", [*LAYOUTS, Layout("ray", N)], indirect=True, ids=_layout_id)
+def test_env_i_lives_in_worker_i_floor_k_and_pid_names_its_process(layout):
+    with MultiEnv([CountingEnv] * N, **layout.options) as envs:
         pids = [proxy.pid for proxy in envs.envs]
-        assert len(set(pids)) == -(-N // k)
+        assert len(set(pids)) == -(-N // layout.k)
         for i in range(N):
-            assert pids[i] == pids[(i // k) * k]
+            assert pids[i] == pids[(i // layout.k) * layout.k]
         for i, proxy in enumerate(envs.envs):
             assert proxy.env_index == i
-    assert live_workers() == []
+    assert layout.live() == []
 
 
-@layouts
-@modes
+@layouts_and_modes
 @pytest.mark.parametrize("factory", [cartpole, DictObsEnv, TextObsEnv], ids=lambda f: f.__name__)
-def test_matches_sync_vector_env_step_by_step(k, mode, factory):
-    ended = run_side_by_side(factory, mode, steps=200, num_envs=N, seed=11, envs_per_worker=k)
+def test_matches_sync_vector_env_step_by_step(layout, mode, factory):
+    ended = run_side_by_side(factory, mode, steps=200, num_envs=N, seed=11, **layout.options)
     assert ended > N
 
 
 @pytest.mark.fault
-@layouts
-@modes
-def test_sigkill_of_a_worker_truncates_each_of_its_envs_and_leaves_the_rest(k, mode):
+@layouts_and_modes
+def test_sigkill_of_a_worker_truncates_each_of_its_envs_and_leaves_the_rest(layout, mode):
     fns = [cartpole] * N
-    ours = MultiEnv(fns, autoreset_mode=mode, envs_per_worker=k)
+    ours = MultiEnv(fns, autoreset_mode=mode, **layout.options)
     ref = SyncVectorEnv(fns, autoreset_mode=mode)
     try:
         obs, _ = ours.reset(seed=5)
@@ -101,7 +117,7 @@ def test_sigkill_of_a_worker_truncates_each_of_its_envs_and_leaves_the_rest(k, m
         assert not terminations[victims].any()
         assert (rewards[victims] == 0.0).all()
         assert infos["_multienv"].tolist() == [i in victims for i in range(N)]
-        assert all(infos["multienv"]["cause"][i] == "SIGKILL" for i in victims)
+        assert all(infos["multienv"]["cause"][i] == layout.cause("SIGKILL") for i in victims)
         if mode is AutoresetMode.SAME_STEP:
             np.testing.assert_array_equal(np.stack(infos["final_obs"][victims]), seen)
         else:
@@ -129,23 +145,23 @@ def test_sigkill_of_a_worker_truncates_each_of_its_envs_and_leaves_the_rest(k, m
     finally:
         ours.close()
         ref.close()
-    assert live_workers() == []
+    assert layout.live() == []
 
 
 @pytest.mark.fault
 @layouts
-def test_segfault_in_one_env_truncates_its_worker_mates(k, tmp_path):
+def test_segfault_in_one_env_truncates_its_worker_mates(layout, tmp_path):
     marker = str(tmp_path / "segv")
     fns = [CountingEnv] * N
     fns[5] = functools.partial(SegfaultOnceOnStep, marker, at_count=3)
-    with MultiEnv(fns, envs_per_worker=k) as envs:
+    with MultiEnv(fns, **layout.options) as envs:
         envs.reset()
         victims = worker_of(envs, 5)
         for _ in range(2):
             envs.step(np.ones(N, dtype=np.int64))
         obs, _, _, truncations, infos = envs.step(np.ones(N, dtype=np.int64))
         assert np.flatnonzero(truncations).tolist() == victims
-        assert all(infos["multienv"]["cause"][i] == "SIGSEGV" for i in victims)
+        assert all(infos["multienv"]["cause"][i] == layout.cause("SIGSEGV") for i in victims)
         others = [i for i in range(N) if i not in victims]
         assert obs[others, 0].tolist() == [3.0 if i != 5 else 0.0 for i in others]
         for _ in range(100):
@@ -155,10 +171,10 @@ def test_segfault_in_one_env_truncates_its_worker_mates(k, tmp_path):
 
 @pytest.mark.fault
 @layouts
-def test_hang_past_step_timeout_kills_the_worker_and_truncates_its_envs(k):
+def test_hang_past_step_timeout_kills_the_worker_and_truncates_its_envs(layout):
     fns = [CountingEnv] * N
     fns[2] = functools.partial(HangOnStep, at_count=2)
-    with MultiEnv(fns, envs_per_worker=k, step_timeout=0.5) as envs:
+    with MultiEnv(fns, **layout.options, step_timeout=0.5) as envs:
         envs.reset()
         victims = worker_of(envs, 2)
         hung = envs.envs[2].pid
@@ -171,10 +187,10 @@ def test_hang_past_step_timeout_kills_the_worker_and_truncates_its_envs(k):
 
 @pytest.mark.fault
 @layouts
-def test_env_error_in_one_env_names_it_and_its_siblings_are_neither_lost_nor_stepped_twice(k):
+def test_env_error_in_one_env_names_it_and_its_siblings_are_neither_lost_nor_stepped_twice(layout):
     fns = [CountingEnv] * N
     fns[4] = functools.partial(RaiseOnStep, at_count=2)
-    with MultiEnv(fns, envs_per_worker=k) as envs:
+    with MultiEnv(fns, **layout.options) as envs:
         envs.reset()
         pids = [proxy.pid for proxy in envs.envs]
         envs.step(np.ones(N, dtype=np.int64))
@@ -191,11 +207,11 @@ def test_env_error_in_one_env_names_it_and_its_siblings_are_neither_lost_nor_ste
 
 @pytest.mark.fault
 @layouts
-def test_crash_loop_in_a_shared_worker_raises_crash_loop_error_naming_an_env_of_it(k):
+def test_crash_loop_in_a_shared_worker_raises_crash_loop_error_naming_an_env_of_it(layout):
     fns = [CountingEnv] * N
     fns[6] = SegfaultEveryStep
     policy = RestartPolicy(max_restarts=2, window_s=60, backoff=0.01)
-    with MultiEnv(fns, envs_per_worker=k, restart_policy=policy) as envs:
+    with MultiEnv(fns, **layout.options, restart_policy=policy) as envs:
         victims = worker_of(envs, 6)
         envs.reset()
         for _ in range(2):
@@ -204,15 +220,18 @@ def test_crash_loop_in_a_shared_worker_raises_crash_loop_error_naming_an_env_of_
         with pytest.raises(EnvCrashLoopError) as caught:
             envs.step(np.ones(N, dtype=np.int64))
         assert caught.value.env_index == victims[0]
-        assert caught.value.cause == "SIGSEGV"
-        assert "about to dereference NULL" in caught.value.stderr_tail
-    assert live_workers() == []
+        assert caught.value.cause == layout.cause("SIGSEGV")
+        if layout.backend == "subprocess":  # Ray keeps an actor's stderr in its log folder
+            assert "about to dereference NULL" in caught.value.stderr_tail
+        else:
+            assert "SYSTEM_ERROR" in "\n".join(caught.value.stderr_tail)
+    assert layout.live() == []
 
 
 @pytest.mark.fault
 @layouts
-def test_worker_killed_during_reset_replays_it_for_each_of_its_envs(k):
-    with MultiEnv([functools.partial(SlowReset, 0.2)] * N, envs_per_worker=k) as envs:
+def test_worker_killed_during_reset_replays_it_for_each_of_its_envs(layout):
+    with MultiEnv([functools.partial(SlowReset, 0.2)] * N, **layout.options) as envs:
         victim = envs.envs[N - 1].pid
         timer = threading.Timer(0.1, os.kill, (victim, signal.SIGKILL))
         timer.start()
@@ -225,8 +244,8 @@ def test_worker_killed_during_reset_replays_it_for_each_of_its_envs(k):
 
 
 @layouts
-def test_send_recv_partial_batches(k):
-    with MultiEnv([CountingEnv] * N, envs_per_worker=k) as envs:
+def test_send_recv_partial_batches(layout):
+    with MultiEnv([CountingEnv] * N, **layout.options) as envs:
         envs.reset()
         envs.send(np.ones(N, dtype=np.int64))
         seen = []
@@ -246,17 +265,18 @@ def test_send_recv_partial_batches(k):
 
 @pytest.mark.fault
 @layouts
-def test_close_is_bounded_and_leaves_no_process_fd_or_shared_memory(k):
+def test_close_is_bounded_and_leaves_no_process_fd_or_shared_memory(layout):
     fds_before = open_fds()
     shm_before = set(os.listdir("/dev/shm"))
     fns = [CountingEnv] * N
     fns[1] = functools.partial(HangOnStep, at_count=1)
-    envs = MultiEnv(fns, envs_per_worker=k)
+    envs = MultiEnv(fns, **layout.options)
     envs.reset()
     envs.step_async(np.ones(N, dtype=np.int64))
     envs.close(timeout=0.5)
-    assert live_workers() == []
-    assert open_fds() <= fds_before
+    assert layout.live() == []
+    if layout.backend == "subprocess":  # Ray's client opens and closes fds of its own
+        assert open_fds() <= fds_before
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
@@ -285,8 +305,8 @@ def test_worker_mates_not_in_flight_when_it_dies_get_a_flagged_truncation_withou
 
 
 @layouts
-def test_max_concurrency_steps_every_env_once(k):
-    with MultiEnv([CountingEnv] * N, envs_per_worker=k, max_concurrency=2) as envs:
+def test_max_concurrency_steps_every_env_once(layout):
+    with MultiEnv([CountingEnv] * N, **layout.options, max_concurrency=2) as envs:
         envs.reset()
         for step in range(1, 4):
             obs, *_ = envs.step(np.ones(N, dtype=np.int64))

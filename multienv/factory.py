@@ -1,0 +1,97 @@
+"""PARENT SIDE, backend-neutral: from env factories to ready proxies.
+
+Every backend's ``create_*_envs`` checks its options, pickles the factories, groups them
+``envs_per_worker`` to a worker, then starts all workers and initializes them in parallel:
+that part is the same for every backend and lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any, TypeVar
+
+import cloudpickle
+
+from multienv.proxy import RemoteEnv, WorkerSupervisor
+
+logger = logging.getLogger(__name__)
+
+ProxyT = TypeVar("ProxyT", bound=RemoteEnv)
+
+
+def pickle_env_fn(env_fn: Callable[[], Any], env_index: int) -> bytes:
+    """``env_fn`` pickled with cloudpickle; a TypeError naming the env if it cannot be."""
+    if not callable(env_fn):
+        raise TypeError(
+            f"env {env_index}: env_fn must be a zero-argument callable returning a "
+            f"gymnasium.Env, got {type(env_fn).__name__}"
+        )
+    try:
+        return bytes(cloudpickle.dumps(env_fn))
+    except Exception as exc:
+        raise TypeError(
+            f"env {env_index}: env_fn {env_fn!r} cannot be pickled with cloudpickle ({exc}); "
+            "build unpicklable resources inside env_fn instead of capturing them."
+        ) from exc
+
+
+def check_timeouts(env_index: int, **timeouts: float | None) -> None:
+    """Raise ValueError, naming the env, for a timeout that is not > 0 or None."""
+    for name, value in timeouts.items():
+        if value is not None and value <= 0:
+            raise ValueError(f"env {env_index}: {name} must be > 0 or None, got {value!r}")
+
+
+def create_envs(
+    env_fns: Sequence[Callable[[], Any]],
+    envs_per_worker: int,
+    supervise: Callable[[Sequence[Callable[[], Any]], int], WorkerSupervisor],
+    proxy_class: type[ProxyT],
+    name: str,
+) -> list[ProxyT]:
+    """Start the workers, then initialize them all in parallel; return one proxy per env.
+
+    Args:
+        env_fns: The env factories; env i lives in worker ``i // envs_per_worker``.
+        envs_per_worker: How many envs each worker hosts.
+        supervise: Builds the supervisor of one worker from its factories and the index
+            of its first env (checking and pickling them: nothing is started by it).
+        proxy_class: The backend's ``RemoteEnv`` subclass.
+        name: The public function's name, for messages.
+    """
+    if not isinstance(envs_per_worker, int) or envs_per_worker < 1:
+        raise ValueError(f"{name}(): envs_per_worker must be an int >= 1, got {envs_per_worker!r}")
+    env_fns = list(env_fns)
+    supervisors = [
+        supervise(env_fns[first : first + envs_per_worker], first)
+        for first in range(0, len(env_fns), envs_per_worker)
+    ]
+    envs = []
+    for supervisor in supervisors:
+        for position in range(len(supervisor.env_indices)):
+            env = proxy_class.__new__(proxy_class)
+            RemoteEnv.__init__(env, supervisor, position)
+            envs.append(env)
+    try:
+        for supervisor in supervisors:
+            supervisor.start()
+        with ThreadPoolExecutor(
+            max_workers=max(1, min(len(supervisors), 32)), thread_name_prefix="multienv"
+        ) as pool:
+            futures = [pool.submit(supervisor.initialize) for supervisor in supervisors]
+            wait_futures(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        for error in errors[1:]:
+            logger.error("initialize() failed too: %s", error)
+        if errors:
+            raise errors[0]  # type: ignore[misc]
+        for env in envs:
+            env.describe()
+    except BaseException:
+        for supervisor in supervisors:
+            supervisor.close(timeout=1.0)
+        raise
+    return envs
