@@ -307,23 +307,23 @@ class ActorHandle:
         if ref is None:
             return Death("unknown")
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, _ = ray.wait([ref], timeout=timeout)
+        try:
+            value = ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            value = Death("timeout")
+        except ray.exceptions.RayError as exc:  # the actor, its process or its node is gone
+            self._tail = tuple(str(exc).splitlines())
+            logger.debug("env %d: Ray actor pid %s: %s", self._env_index, self._pid, exc)
+            value = Death(death_cause(exc))
         if self._is_closing.is_set():
             raise ClosedEnvironmentError(f"env {self._env_index}: closed while a call was waiting.")
         self.in_flight = None
-        if not ready:
+        if isinstance(value, Death) and value.cause == "timeout":
             logger.warning(
                 "env %d: Ray actor pid %s timed out; killing it", self._env_index, self._pid
             )
             self.kill()
-            return Death("timeout")
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayError as exc:  # the actor, its process or its node is gone
-            cause = death_cause(exc)
-            self._tail = tuple(str(exc).splitlines())
-            logger.debug("env %d: Ray actor pid %s: %s", self._env_index, self._pid, exc)
-            return Death(cause)
+        return value
 
 
 def _wait_gone(pid: int, timeout_s: float) -> None:

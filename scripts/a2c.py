@@ -2,6 +2,7 @@
 
 Run: python scripts/a2c.py                      (solves CartPole-v1, writes runs/<timestamp>/)
      python scripts/a2c.py --chaos-kill-every 200   (SIGKILLs a random worker every 200 steps)
+     python scripts/a2c.py --backend ray            (the envs in Ray actors, on a local cluster)
 
 The envs run in worker processes; the policy and value networks are small NumPy MLPs
 trained with Adam on n-step returns. The run stops when the mean return of the last 20
@@ -37,7 +38,7 @@ from typing import Any, TypeVar
 import gymnasium as gym
 import numpy as np
 
-from multienv import MultiEnv, RestartPolicy
+from multienv import MultiEnv, RayOptions, RestartPolicy
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class Args:
     env_id: str = "CartPole-v1"  # Gymnasium id with a Box observation and Discrete action space
     num_envs: int = 8  # parallel envs
     envs_per_worker: int = 1  # envs each worker process hosts; more is faster on cheap envs
+    backend: str = "subprocess"  # where envs run: subprocess, or ray (pip install -e ".[ray]")
     n_steps: int = 32  # steps per env between updates (the n of n-step returns)
     total_steps: int = 600_000  # budget of env steps (all envs together)
     gamma: float = 0.99  # discount factor
@@ -72,6 +74,15 @@ def make_env(env_id: str) -> Callable[[], gym.Env]:
     import, whether this file runs as a script or is imported by a test or by a3c.py.
     """
     return functools.partial(gym.make, env_id)
+
+
+def backend_options(args: Args) -> dict[str, Any]:
+    """MultiEnv's keywords for ``args.backend``: the forkserver's preload, or a quiet Ray."""
+    if args.backend == "ray":
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        quiet = {"include_dashboard": False, "log_to_driver": False}
+        return {"backend": "ray", "ray_options": RayOptions(init_kwargs=quiet)}
+    return {"backend": args.backend, "preload": env_modules(args.env_id)}
 
 
 def env_modules(env_id: str) -> list[str]:
@@ -354,8 +365,10 @@ class Chaos:
                 return
             self.next_kill += self.every
             victim = self.envs[int(self.rng.integers(len(self.envs)))]
+            if victim.pid is None:
+                return  # a Ray actor being replaced (by another A3C learner)
             try:
-                os.kill(victim.pid, signal.SIGKILL)
+                os.kill(victim.pid, signal.SIGKILL)  # a Ray actor's process, on Ray
             except ProcessLookupError:
                 return  # already dead and being respawned (another A3C learner's env)
             self.recorder.kill_steps.append(self.recorder.env_steps)
@@ -487,8 +500,8 @@ def main(args: Args) -> int:
         [make_env(args.env_id)] * args.num_envs,
         autoreset_mode="SameStep",
         restart_policy=restart_policy(args),
-        preload=env_modules(args.env_id),
         envs_per_worker=args.envs_per_worker,
+        **backend_options(args),
     )
     obs_dim = int(np.prod(envs.single_observation_space.shape))
     num_actions = int(envs.single_action_space.n)

@@ -34,8 +34,8 @@ from a2c import (
     Chaos,
     Recorder,
     anneal,
+    backend_options,
     collect_rollout,
-    env_modules,
     make_env,
     make_out_dir,
     parse_args,
@@ -94,8 +94,8 @@ def main(args: A3CArgs) -> int:
             [make_env(args.env_id)] * args.envs_per_learner,
             autoreset_mode="SameStep",
             restart_policy=restart_policy(args),
-            preload=env_modules(args.env_id),
             envs_per_worker=min(args.envs_per_worker, args.envs_per_learner),
+            **backend_options(args),
         )
         for _ in range(args.learners)
     ]

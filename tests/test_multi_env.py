@@ -275,6 +275,6 @@ def test_multi_env_imports_no_transport():
 
 
 def test_unknown_backend_is_rejected_before_anything_starts():
-    with pytest.raises(ValueError, match=r"backend must be one of \['subprocess'\]"):
+    with pytest.raises(ValueError, match=r"backend must be one of \['ray', 'subprocess'\]"):
         MultiEnv([CountingEnv] * 2, backend="nope")
     assert live_workers() == []
