@@ -10,8 +10,9 @@ from multienv.errors import (
     EnvStateError,
     MultiEnvError,
 )
+from multienv.evaluation import EvaluationResult, evaluate
 from multienv.multi_env import MultiEnv
-from multienv.protocol import RemoteTraceback
+from multienv.protocol import EnvSnapshot, RemoteTraceback
 from multienv.proxy import EnvState
 from multienv.ray_env import RayEnv, RayOptions, create_ray_envs
 from multienv.restart import RestartPolicy
@@ -23,8 +24,10 @@ __all__ = [
     "EnvCrashLoopError",
     "EnvCrashedError",
     "EnvError",
+    "EnvSnapshot",
     "EnvState",
     "EnvStateError",
+    "EvaluationResult",
     "MultiEnv",
     "MultiEnvError",
     "RayEnv",
@@ -35,4 +38,5 @@ __all__ = [
     "__version__",
     "create_ray_envs",
     "create_subprocess_envs",
+    "evaluate",
 ]

@@ -27,9 +27,10 @@ from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
+from multienv import planning
 from multienv.autoreset import Autoreset
 from multienv.errors import EnvStateError
-from multienv.protocol import Batch, BatchResult, StepPlan
+from multienv.protocol import Batch, BatchResult, EnvSnapshot, StepPlan
 from multienv.proxy import EnvState, RemoteEnv, VectorLink, WorkerSupervisor
 
 logger = logging.getLogger(__name__)
@@ -241,20 +242,23 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self,
         *,
         seed: int | Sequence[int | None] | None = None,
-        options: dict[str, Any] | None = None,
+        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         """Reset all envs, or those in ``options["reset_mask"]``.
 
         Args:
             seed: None, an int (env i gets ``seed + i``) or one seed per env.
-            options: Passed to every env's ``reset``; ``"reset_mask"`` (a bool array of
-                shape ``(num_envs,)``) selects the envs to reset.
+            options: A dict passed to every env's ``reset``, in which ``"reset_mask"`` (a
+                bool array of shape ``(num_envs,)``) selects the envs to reset; or a list
+                of N dicts (or None), env i getting ``options[i]`` (the env-manager
+                ``reset_param`` idea), which resets every env.
         """
         self._check_idle("reset")
         seeds = self._seeds(seed)
-        options = dict(options) if options is not None else None
-        mask = self._reset_mask(options.pop("reset_mask", None) if options else None)
+        per_env = self._options_per_env(options)
+        mask = self._reset_mask(per_env.pop() if per_env else None)
         has_seeds = any(s is not None for s in seeds)
+        has_options = any(item is not None for item in per_env)
 
         def make_batch(worker: _Worker) -> Batch | None:
             chosen = [k for k, env_index in enumerate(worker.env_ids) if mask[env_index]]
@@ -266,7 +270,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 [None] * len(chosen),
                 False,
                 [seeds[worker.env_ids[k]] for k in chosen] if has_seeds else None,
-                [options] * len(chosen) if options else None,
+                [per_env[worker.env_ids[k]] for k in chosen] if has_options else None,
             )
 
         outcome = self._gather(self._fan_out(range(len(self._workers)), make_batch))
@@ -471,6 +475,80 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             )
         self._map(lambda i: self.envs[i].set_attr(name, values[i]))
 
+    # ----------------------------------------------------------------- planning
+
+    def get_states(self) -> list[EnvSnapshot]:
+        """Each env's state: opaque, picklable ``EnvSnapshot``s for ``set_states``.
+
+        An env with ``get_state()`` / ``set_state(state)`` methods (the planning convention)
+        is asked for its state; any other env is pickled whole, wrapper stack included (time
+        limit counters, RNG), so restoring it and stepping it again gives the same results.
+        """
+        return list(self._map(lambda i: self.envs[i].get_state()))
+
+    def set_states(self, states: Sequence[EnvSnapshot]) -> None:
+        """Restore one state per env; each goes on mid-episode from there.
+
+        A worker that dies meanwhile is respawned and the state restored into the fresh env.
+        The observations the vector holds are not updated (a state carries none); the next
+        ``step`` returns those of the restored envs.
+
+        Raises:
+            TypeError, ValueError: ``states`` is not one state per env of the env's class;
+                raised before anything is sent.
+        """
+        checked = planning.check_set_states(self, states)
+        self._map(lambda i: self.envs[i].set_state(checked[i]))
+        self._autoreset.after_reset(np.arange(self.num_envs))
+
+    def sync_states(self, state: EnvSnapshot) -> None:
+        """Restore the same state into every env (see ``set_states``)."""
+        self.set_states([state] * self.num_envs)
+
+    def step_batch(
+        self, actions: Any, states: Sequence[EnvSnapshot] | None = None, dt: Any = 1
+    ) -> tuple[list[EnvSnapshot], Any, np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        """Step M (state, action) pairs in parallel, M independent of N.
+
+        Pair j restores ``states[j]`` into some env, repeats ``actions[j]`` up to ``dt[j]``
+        times (stopping early at the episode's end), sums the rewards and returns the state
+        reached. Each worker gets a contiguous share of the pairs, in proportion to its envs,
+        in one round trip. A worker that dies is respawned and its share replayed from the
+        pairs' states, so the results are those of an undisturbed run; their infos carry
+        ``"multienv": {"restarted": True, "replayed": True, ...}``. Afterwards each env holds
+        the state of the last pair it ran; ``set_states`` or ``reset`` before ``step``.
+
+        Args:
+            actions: M actions (an array with a leading axis of M for array action spaces).
+            states: M states from ``get_states`` or an earlier ``step_batch``; None steps
+                the envs from their current states (then M must equal N).
+            dt: Steps per pair: an int, or M ints, each >= 1.
+
+        Returns:
+            ``(new_states, obs, rewards, terminated, truncated, infos)``: a list of M states,
+            batched observations, float64 summed rewards and bool flags of the last step,
+            each of length M, and a list of M info dicts (the last step's).
+
+        Raises:
+            ValueError, TypeError: Actions, states and ``dt`` do not agree in length or kind,
+                or a state is of another env class; raised before anything is sent.
+            EnvError: An env raised; the lowest pair's error, naming its env.
+        """
+        self._check_idle("step_batch")
+        if states is None:
+            count = len(actions)
+            if count != self.num_envs:
+                raise ValueError(
+                    f"step_batch() without states steps every env from its current state: "
+                    f"pass {self.num_envs} actions, got {count}."
+                )
+            states = self.get_states()
+        return planning.step_batch(self, actions, states, dt)
+
+    def workers_for_planning(self) -> list[_Worker]:
+        """The vector's workers, with their envs' positions (for ``multienv.planning``)."""
+        return self._workers
+
     def stats(self) -> list[dict[str, Any]]:
         """Per env: steps, episodes, restarts, last failure cause, step latency p50/p99 (s).
 
@@ -646,6 +724,39 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 "env, a single int, or None."
             )
         return seeds
+
+    def _options_per_env(self, options: Any) -> list[Any]:
+        """Each env's reset options, then the reset mask last (None: every env)."""
+        n = self.num_envs
+        if options is None:
+            return [None] * n + [None]
+        if isinstance(options, dict):
+            shared = dict(options)
+            mask = shared.pop("reset_mask", None)
+            return [shared or None] * n + [mask]
+        if isinstance(options, str | bytes) or not isinstance(options, Sequence):
+            raise TypeError(
+                f"reset() options must be a dict or a list of {n} dicts (one per env), got "
+                f"{type(options).__name__}."
+            )
+        per_env = list(options)
+        if len(per_env) != n:
+            raise ValueError(
+                f"reset() got options for {len(per_env)} envs, but there are {n}; pass one "
+                f"dict (or None) per env, or one dict for all."
+            )
+        for env_index, item in enumerate(per_env):
+            if item is not None and not isinstance(item, dict):
+                raise TypeError(
+                    f"env {env_index}: reset() options must be a dict or None, got "
+                    f"{type(item).__name__}."
+                )
+            if item is not None and "reset_mask" in item:
+                raise ValueError(
+                    f"env {env_index}: reset_mask goes in one options dict for all envs, not "
+                    "in a per-env list."
+                )
+        return [*per_env, None]
 
     def _reset_mask(self, mask: Any) -> np.ndarray:
         if mask is None:

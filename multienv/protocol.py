@@ -44,6 +44,9 @@ class Command(enum.IntEnum):
     SET_ATTR = 6  # payload: (name, value)
     CLOSE = 7  # payload: None; the worker closes its envs, replies and exits
     ATTACH = 8  # payload: (BatchLayout, worker_index, env_indices); two fds follow
+    GET_STATE = 9  # payload: None; the reply's value is an EnvSnapshot
+    SET_STATE = 10  # payload: EnvSnapshot
+    STEP_PAIRS = 11  # payload: list[Pair]; the reply's value is list[PairOutcome]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +255,55 @@ class EnvDescription:
     metadata: dict[str, Any]
     render_mode: str | None
     spec: Any
+    env_type: str = ""  # the unwrapped env's class, as module.qualname; snapshots carry it
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSnapshot:
+    """One env's state, opaque and picklable: ``MultiEnv.get_states()`` returns these.
+
+    Attributes:
+        env_type: The unwrapped env's class (``module.QualName``); a snapshot is restored
+            only into an env of the same class.
+        kind: ``"state"``: ``data`` is what the env's own ``get_state()`` returned (the
+            planning convention); ``"object"``: ``data`` is the whole env, wrapper stack
+            included, pickled with cloudpickle.
+        data: The state itself.
+    """
+
+    env_type: str
+    kind: str
+    data: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pair:
+    """One (state, action) pair of ``step_batch``, for one env of a worker.
+
+    Attributes:
+        position: The env's place in its worker.
+        snapshot: The state to restore first, or None to step from the current one.
+        action: The action, repeated.
+        dt: Steps to repeat it for, stopping early at the episode's end.
+    """
+
+    position: int
+    snapshot: EnvSnapshot | None
+    action: Any
+    dt: int
+
+
+@dataclasses.dataclass(slots=True)
+class PairOutcome:
+    """What one pair produced: the summed reward, the last step's flags, the state reached."""
+
+    snapshot: EnvSnapshot | None
+    obs: Any = None
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    failure: RemoteFailure | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,7 @@ from multienv.protocol import (
     BatchResult,
     Command,
     EnvDescription,
+    EnvSnapshot,
     Outcome,
     RemoteFailure,
     RemoteTraceback,
@@ -501,23 +502,47 @@ class WorkerSupervisor:
         assert result is not None
         return result, errors
 
-    def request(self, position: int, command: Command, payload: Any) -> Any:
+    def request(self, position: int, command: Command, payload: Any, steps: int = 0) -> Any:
         """Run one call on one env; a death respawns the worker and replays the call once more.
 
         Raises:
             EnvError: The env raised.
             EnvCrashLoopError: The worker kept dying and the restart budget is spent.
         """
+        self.send_request(position, command, payload, steps)
+        return self.finish_request()
+
+    def send_request(self, position: int, command: Command, payload: Any, steps: int = 0) -> None:
+        """Send one call on one env; ``finish_request()`` waits for it.
+
+        Args:
+            position: The env's place in the worker.
+            command: What to do.
+            payload: The command's data.
+            steps: Env steps the call makes (for ``STEP_PAIRS``): it may take that many
+                ``step_timeout``s before the worker is killed. 0: no deadline.
+        """
         env_index = self.env_indices[position]
-        name = command.name.lower()
         if self._state is not EnvState.READY:
-            self.require(EnvState.READY, name, env_index)
+            self.require(EnvState.READY, command.name.lower(), env_index)
         if self._pending is not None:
             self._discard_pending()
         request = Request(command, position, payload)
-        self._pending = _Pending(None, None, None, {}, request, None, time.perf_counter())
+        deadline = self._batch_deadline(steps, 0) if steps else None
+        self._pending = _Pending(None, None, None, {}, request, deadline, time.perf_counter())
         self.handle.submit(request)
-        reply = self.handle.collect(None)
+
+    def finish_request(self) -> Any:
+        """Wait for the call ``send_request()`` sent; replay it on a fresh worker if it died."""
+        pending = self._pending
+        if pending is None or pending.request is None:
+            raise EnvStateError(
+                f"env {self.env_indices[0]}: no call is in flight; send one first.",
+                env_index=self.env_indices[0],
+            )
+        request = pending.request
+        position, command, payload = request.position, request.command, request.payload
+        reply = self.handle.collect(pending.deadline)
         self._pending = None
         if isinstance(reply, Death):
             self._lose_all(reply.cause)
@@ -530,8 +555,10 @@ class WorkerSupervisor:
                 self._lose_all(cause)
                 self._respawn(cause)
                 return self.request(position, command, payload)
-            raise self.env_error(reply.failure, name, position)
+            raise self.env_error(reply.failure, command.name.lower(), position)
         self._consecutive_restarts = 0
+        if command is Command.SET_STATE:
+            self._lost.pop(position, None)  # restored: that env's episode goes on from here
         return reply.value
 
     def read_obs(self, position: int) -> Any:
@@ -890,6 +917,26 @@ class RemoteEnv(gym.Env[Any, Any]):
         if obs is None:
             obs = self._supervisor.read_obs(self.position)
         return obs, reward, terminated, truncated, info
+
+    def get_state(self) -> EnvSnapshot:
+        """A snapshot of the remote env: its own ``get_state()``, or the whole env pickled."""
+        snapshot: EnvSnapshot = self._request(Command.GET_STATE, None)
+        return snapshot
+
+    def set_state(self, snapshot: EnvSnapshot) -> None:
+        """Restore a snapshot of ``get_state()`` (replayed on a fresh worker if it dies)."""
+        if not isinstance(snapshot, EnvSnapshot):
+            raise TypeError(
+                f"env {self.env_index}: set_state() takes an EnvSnapshot from get_state(), "
+                f"got {type(snapshot).__name__}"
+            )
+        env_type = self._supervisor.descriptions[self.position].env_type
+        if snapshot.env_type != env_type:
+            raise ValueError(
+                f"env {self.env_index}: the state is of a {snapshot.env_type} env; this env is "
+                f"a {env_type}"
+            )
+        self._request(Command.SET_STATE, snapshot)
 
     def render(self) -> Any:
         """Return the remote env's ``render()`` result."""

@@ -18,11 +18,15 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
+from multienv.legacy import LegacyEnv, adapt
 from multienv.protocol import (
     Command,
     EnvDescription,
+    EnvSnapshot,
     Order,
     Outcome,
+    Pair,
+    PairOutcome,
     RemoteFailure,
     Reply,
     Request,
@@ -63,7 +67,7 @@ class EnvRunner:
         """
         for position, env_fn_bytes in enumerate(self._env_fn_bytes):
             try:
-                env = cloudpickle.loads(env_fn_bytes)()
+                env = adapt(cloudpickle.loads(env_fn_bytes)())
             except Exception as exc:
                 self.close()
                 raise BuildError(package_failure(exc, position)) from exc
@@ -76,6 +80,7 @@ class EnvRunner:
                 metadata=dict(env.metadata),
                 render_mode=env.render_mode,
                 spec=_picklable_or_none(env.spec),
+                env_type=env_type(env),
             )
             for env in self.envs
         ]
@@ -130,7 +135,62 @@ class EnvRunner:
         if command is Command.SET_ATTR:
             env.set_wrapper_attr(*payload)
             return None
+        if command is Command.GET_STATE:
+            return self.get_state(position)
+        if command is Command.SET_STATE:
+            self.set_state(position, payload)
+            return None
+        if command is Command.STEP_PAIRS:
+            return [self.step_pair(pair) for pair in payload]
         raise ValueError(f"{command!r} is not a call of one env")
+
+    def get_state(self, position: int) -> EnvSnapshot:
+        """The env's own ``get_state()``, or else the whole env pickled."""
+        env = self.envs[position]
+        getter = _state_method(env, "get_state")
+        if getter is not None and _state_method(env, "set_state") is not None:
+            return EnvSnapshot(env_type(env), "state", getter())
+        try:
+            data = pickle.dumps(env, protocol=pickle.HIGHEST_PROTOCOL)  # 4x faster, when it can
+        except Exception:  # noqa: BLE001 - lambdas, local classes: cloudpickle handles them
+            data = cloudpickle.dumps(env)
+        return EnvSnapshot(env_type(env), "object", data)
+
+    def set_state(self, position: int, snapshot: EnvSnapshot) -> None:
+        """Restore a snapshot of ``get_state`` into the env at ``position``."""
+        env = self.envs[position]
+        if snapshot.env_type != env_type(env):
+            raise ValueError(
+                f"the state is of a {snapshot.env_type} env; this env is a {env_type(env)}"
+            )
+        if snapshot.kind == "state":
+            setter = _state_method(env, "set_state")
+            if setter is None:
+                raise ValueError(f"the state came from get_state(), which {env_type(env)} lacks")
+            setter(snapshot.data)
+        else:
+            self.envs[position] = pickle.loads(snapshot.data)
+
+    def step_pair(self, pair: Pair) -> PairOutcome:
+        """Restore the pair's state, repeat its action up to ``dt`` times, keep the new state."""
+        try:
+            if pair.snapshot is not None:
+                self.set_state(pair.position, pair.snapshot)
+            env = self.envs[pair.position]
+            total = 0.0
+            terminated = truncated = False
+            obs: Any = None
+            info: dict[str, Any] = {}
+            for _ in range(pair.dt):
+                obs, reward, terminated, truncated, info = env.step(pair.action)
+                total += float(reward)
+                if terminated or truncated:
+                    break
+            self.check(pair.position, obs)
+            snapshot = self.get_state(pair.position)
+        except Exception as exc:  # noqa: BLE001 - reported for this pair only
+            return PairOutcome(None, failure=package_failure(exc, pair.position))
+        return PairOutcome(snapshot, obs, total, bool(terminated), bool(truncated), info)
 
     def close(self) -> None:
         """Close every env that was built; errors in closing are reported on stderr."""
@@ -210,6 +270,22 @@ def encode_reply(reply: Reply, request: Request | None, resets: set[int] | None 
             problem = explain_unpicklable(name, outcome, item_exc)
             outcomes[key] = Outcome(failure=package_failure(problem, position))
     return encode(reply)
+
+
+def env_type(env: gym.Env[Any, Any]) -> str:
+    """The unwrapped env's class, as ``module.QualName``."""
+    unwrapped = env.unwrapped
+    cls = type(unwrapped.env) if isinstance(unwrapped, LegacyEnv) else type(unwrapped)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _state_method(env: gym.Env[Any, Any], name: str) -> Callable[..., Any] | None:
+    """The env's (or a wrapper's) method ``name``, or None."""
+    try:
+        method = env.get_wrapper_attr(name)
+    except AttributeError:
+        return None
+    return method if callable(method) else None
 
 
 def _picklable_or_none(value: Any) -> Any:

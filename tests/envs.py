@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 
 class CountingEnv(gym.Env):
@@ -337,3 +338,79 @@ class KilledAfterItsDoneRecord(CountingEnv):
         if self.count == self.at_count and _crash_once(self.marker):
             info["bomb"] = _KillOnPickle()
         return obs, reward, terminated, truncated, info
+
+
+class StatefulCartPole(CartPoleEnv):
+    """CartPole with the planning convention: ``get_state()`` / ``set_state(state)``.
+
+    Truncates at 500 steps by itself (no TimeLimit wrapper), so its state is complete.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        obs, reward, terminated, _, info = super().step(action)
+        self.t += 1
+        return obs, reward, terminated, self.t >= 500, info
+
+    def get_state(self):
+        return np.array(self.state, dtype=np.float64), self.steps_beyond_terminated, self.t
+
+    def set_state(self, state):
+        physics, steps_beyond, t = state
+        self.state = np.array(physics, dtype=np.float64)
+        self.steps_beyond_terminated, self.t = steps_beyond, t
+
+
+class FixedLengthEnv(CountingEnv):
+    """Episodes of exactly ``length`` steps, reward 1 per step."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(episode_length=length)
+
+    def step(self, action):
+        obs, _, terminated, truncated, info = super().step(action)
+        return obs, 1.0, terminated, truncated, info
+
+
+class OldApiEnv:
+    """A pre-0.26 Gym env, without gym: ``reset()`` -> obs, ``step`` -> 4-tuple, ``seed()``.
+
+    The observation is [count, seed]. Action 2 ends the episode (a termination); otherwise
+    the 4th step ends it with ``info["TimeLimit.truncated"] = True``.
+    """
+
+    metadata = {"render.modes": []}  # noqa: RUF012 - as old Gym envs declared it
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Box(0, 1000, shape=(2,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(3)
+        self.count, self.seed_value = 0, -1
+
+    def seed(self, seed=None):
+        self.seed_value = -1 if seed is None else seed
+        return [seed]
+
+    def reset(self):
+        self.count = 0
+        return self._obs()
+
+    def step(self, action):
+        self.count += 1
+        if action == 2:
+            return self._obs(), 10.0, True, {}
+        if self.count >= 4:
+            return self._obs(), 1.0, True, {"TimeLimit.truncated": True}
+        return self._obs(), 1.0, False, {"count": self.count}
+
+    def close(self):
+        pass
+
+    def _obs(self):
+        return np.array([self.count, self.seed_value], dtype=np.float32)

@@ -1,0 +1,176 @@
+"""PARENT SIDE, backend-neutral: env states and ``step_batch`` for planners.
+
+A planner (Monte-Carlo tree search, Go-Explore style search) clones env states, steps many
+(state, action) pairs in parallel and restores states at will. ``MultiEnv.get_states``,
+``set_states``, ``sync_states`` and ``step_batch`` are thin methods over the functions here.
+
+``step_batch`` spreads M pairs over the workers in proportion to their envs (a contiguous
+share each, so every core is busy), sends each worker its share as one ``STEP_PAIRS``
+request, and waits for them all. In the worker, each pair restores its state, repeats its
+action up to ``dt`` times (stopping at the episode's end), sums the rewards and snapshots
+the state reached. A worker that dies meanwhile is respawned and its share replayed from
+the pairs' states, so the results are those of an undisturbed run;
+``info["multienv"]`` says it happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector.utils import concatenate, create_empty_array
+
+from multienv.protocol import Command, EnvSnapshot, Pair, PairOutcome
+
+if TYPE_CHECKING:
+    from multienv.multi_env import MultiEnv
+
+_ARRAY_SPACES = (
+    gym.spaces.Box,
+    gym.spaces.Discrete,
+    gym.spaces.MultiDiscrete,
+    gym.spaces.MultiBinary,
+)
+
+
+def env_types(vec: MultiEnv) -> list[str]:
+    """Each env's class, as its snapshots name it."""
+    return [proxy.supervisor.descriptions[proxy.position].env_type for proxy in vec.envs]
+
+
+def check_states(vec: MultiEnv, states: Sequence[Any], what: str) -> list[EnvSnapshot]:
+    """``states`` as a list, each an ``EnvSnapshot`` of a class the vector's envs have."""
+    if isinstance(states, EnvSnapshot) or not isinstance(states, Sequence):
+        raise TypeError(
+            f"{what} takes a list of states from get_states(), got {type(states).__name__}."
+        )
+    known = set(env_types(vec))
+    checked = list(states)
+    for j, state in enumerate(checked):
+        if not isinstance(state, EnvSnapshot):
+            raise TypeError(
+                f"{what}: state {j} is a {type(state).__name__}, not a state from get_states()."
+            )
+        if state.env_type not in known:
+            raise ValueError(
+                f"{what}: state {j} is of a {state.env_type} env; these envs are "
+                f"{', '.join(sorted(known))}."
+            )
+    return checked
+
+
+def check_set_states(vec: MultiEnv, states: Sequence[Any]) -> list[EnvSnapshot]:
+    """One state per env, each of that env's class; raises naming the env otherwise."""
+    checked = check_states(vec, states, "set_states()")
+    if len(checked) != vec.num_envs:
+        raise ValueError(
+            f"set_states() got {len(checked)} states for {vec.num_envs} envs; pass one per env, "
+            "or use sync_states(state) to put the same state into every env."
+        )
+    for env_index, (state, env_type) in enumerate(zip(checked, env_types(vec), strict=True)):
+        if state.env_type != env_type:
+            raise ValueError(
+                f"env {env_index}: state {env_index} is of a {state.env_type} env; this env is "
+                f"a {env_type}."
+            )
+    return checked
+
+
+def step_batch(
+    vec: MultiEnv, actions: Any, states: Sequence[Any] | None, dt: Any
+) -> tuple[list[EnvSnapshot], Any, np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+    """See ``MultiEnv.step_batch``; ``states`` None has been replaced by the current ones."""
+    assert states is not None
+    checked = check_states(vec, states, "step_batch()")
+    count = len(checked)
+    action_list = _actions(vec, actions, count)
+    steps = _dts(dt, count)
+    workers = vec.workers_for_planning()
+    sizes = np.array([len(worker.env_ids) for worker in workers])
+    bounds = np.round(count * np.cumsum(sizes) / sizes.sum()).astype(int)
+    shares: list[tuple[Any, list[int]]] = []
+    first = 0
+    for worker, last in zip(workers, bounds.tolist(), strict=True):
+        items = list(range(first, last))
+        first = last
+        if items:
+            shares.append((worker, items))
+    restarts_before = []
+    for worker, items in shares:
+        positions = worker.positions
+        pairs = [
+            Pair(positions[n % len(positions)], checked[j], action_list[j], int(steps[j]))
+            for n, j in enumerate(items)
+        ]
+        supervisor = worker.supervisor
+        restarts_before.append(supervisor.proxies[positions[0]].restarts)
+        supervisor.send_request(
+            pairs[0].position, Command.STEP_PAIRS, pairs, int(steps[items].sum())
+        )
+    outcomes: list[PairOutcome | None] = [None] * count
+    infos: list[dict[str, Any]] = [{} for _ in range(count)]
+    errors: dict[int, Exception] = {}
+    for (worker, items), before in zip(shares, restarts_before, strict=True):
+        supervisor = worker.supervisor
+        try:
+            results: list[PairOutcome] = supervisor.finish_request()
+        except Exception as exc:  # noqa: BLE001 - raised below, lowest pair first
+            errors[items[0]] = exc
+            continue
+        proxy = supervisor.proxies[worker.positions[0]]
+        replayed = proxy.restarts != before
+        for j, outcome in zip(items, results, strict=True):
+            outcomes[j] = outcome
+            if outcome.failure is not None:
+                errors[j] = supervisor.env_error(
+                    outcome.failure, "step_batch", outcome.failure.position
+                )
+                continue
+            infos[j] = dict(outcome.info)
+            if replayed:
+                infos[j]["multienv"] = {
+                    "restarted": True,
+                    "cause": proxy.last_failure,
+                    "restarts": proxy.restarts,
+                    "replayed": True,
+                }
+    if errors:
+        first_error = min(errors)
+        raise errors[first_error]
+    done = [outcome for outcome in outcomes if outcome is not None]
+    space = vec.single_observation_space
+    buffer: Any = create_empty_array(space, count)
+    obs = concatenate(space, [o.obs for o in done], buffer)
+    rewards = np.array([o.reward for o in done], dtype=np.float64)
+    terminated = np.array([o.terminated for o in done], dtype=np.bool_)
+    truncated = np.array([o.truncated for o in done], dtype=np.bool_)
+    new_states = [o.snapshot for o in done]
+    return new_states, obs, rewards, terminated, truncated, infos  # type: ignore[return-value]
+
+
+def _actions(vec: MultiEnv, actions: Any, count: int) -> list[Any]:
+    space = vec.single_action_space
+    if isinstance(space, _ARRAY_SPACES):
+        array = np.asarray(actions)
+        shape = tuple(space.shape or ())
+        if array.shape != (count, *shape):
+            raise ValueError(
+                f"step_batch() got actions of shape {array.shape}; expected {(count, *shape)} "
+                f"for {count} states."
+            )
+        return list(array)
+    action_list = list(actions)
+    if len(action_list) != count:
+        raise ValueError(f"step_batch() got {len(action_list)} actions for {count} states.")
+    return action_list
+
+
+def _dts(dt: Any, count: int) -> np.ndarray:
+    steps = np.asarray(dt)
+    if steps.ndim == 0:
+        steps = np.full(count, steps)
+    if steps.shape != (count,) or not np.issubdtype(steps.dtype, np.integer) or (steps < 1).any():
+        raise ValueError(f"step_batch() dt must be an int >= 1 or {count} of them, got {dt!r}.")
+    return steps

@@ -1,0 +1,188 @@
+"""States and step_batch, against local replays; worker deaths during them."""
+
+import functools
+import os
+import pickle
+import signal
+import threading
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from multienv import EnvSnapshot, MultiEnv
+from tests.conftest import Layout
+from tests.envs import CountingEnv, SlowReset, StatefulCartPole
+
+N = 4
+
+
+def cartpole():
+    return gym.make("CartPole-v1")
+
+
+class Local:
+    """Steps a local copy of an env from a snapshot, the way a worker does."""
+
+    def __init__(self, factory):
+        self.env = factory()
+
+    def restore(self, state: EnvSnapshot):
+        if state.kind == "object":
+            self.env = pickle.loads(state.data)
+        else:
+            self.env.set_state(state.data)
+
+    def signature(self):
+        """What a state determines: compared across a restore, not byte for byte."""
+        unwrapped = self.env.unwrapped
+        elapsed = getattr(self.env, "_elapsed_steps", getattr(unwrapped, "t", None))
+        return np.array(unwrapped.state, dtype=np.float64).tolist(), elapsed
+
+    def run(self, state, action, dt):
+        self.restore(state)
+        total, terminated, truncated = 0.0, False, False
+        for _ in range(dt):
+            obs, reward, terminated, truncated, _ = self.env.step(action)
+            total += reward
+            if terminated or truncated:
+                break
+        return obs, total, terminated, truncated, self.signature()
+
+
+@pytest.mark.parametrize("factory", [cartpole, StatefulCartPole], ids=lambda f: f.__name__)
+def test_step_batch_equals_stepping_a_local_copy_from_the_same_state(factory):
+    with MultiEnv([factory] * N, envs_per_worker=2) as envs:
+        envs.reset(seed=3)
+        rng = np.random.default_rng(0)
+        for _ in range(5):
+            envs.step(rng.integers(2, size=N))
+        states = envs.get_states()
+        assert {state.kind for state in states} == (
+            {"state"} if factory is StatefulCartPole else {"object"}
+        )
+        local, check = Local(factory), Local(factory)
+        for m in (N // 4, N, 5 * N):
+            for dt in (1, 3):
+                pair_states = [states[j % N] for j in range(m)]
+                actions = rng.integers(2, size=m)
+                new_states, obs, rewards, terminated, truncated, infos = envs.step_batch(
+                    actions, pair_states, dt=dt
+                )
+                assert obs.shape == (m, 4)
+                assert len(new_states) == len(infos) == m
+                for j in range(m):
+                    want = local.run(pair_states[j], int(actions[j]), dt)
+                    np.testing.assert_array_equal(obs[j], want[0], err_msg=f"M={m} dt={dt} j={j}")
+                    assert (rewards[j], terminated[j], truncated[j]) == want[1:4]
+                    check.restore(new_states[j])
+                    assert check.signature() == want[4]
+
+
+def test_step_batch_dt_per_pair_stops_at_the_episodes_end():
+    with MultiEnv([functools.partial(CountingEnv, 5)] * 2) as envs:
+        envs.reset()
+        state = envs.get_states()[0]
+        _, obs, rewards, terminated, _, _ = envs.step_batch(
+            np.ones(3, dtype=np.int64), [state] * 3, dt=np.array([1, 4, 9])
+        )
+        assert obs[:, 0].tolist() == [1.0, 4.0, 5.0]  # the third stops at the end, step 5
+        assert rewards.tolist() == [1.0, 4.0, 5.0]
+        assert terminated.tolist() == [False, False, True]
+
+
+def test_step_batch_without_states_steps_the_envs_from_where_they_are():
+    with MultiEnv([CountingEnv] * 3, envs_per_worker=3) as envs:
+        envs.reset()
+        envs.step(np.ones(3, dtype=np.int64))
+        new_states, obs, *_ = envs.step_batch(np.ones(3, dtype=np.int64), dt=2)
+        assert obs[:, 0].tolist() == [3.0, 3.0, 3.0]
+        envs.set_states(new_states)
+        obs, *_ = envs.step(np.ones(3, dtype=np.int64))
+        assert obs[:, 0].tolist() == [4.0, 4.0, 4.0]
+
+
+def test_bad_step_batch_input_raises_before_anything_is_sent():
+    with MultiEnv([CountingEnv] * 2) as envs:
+        envs.reset()
+        states = envs.get_states()
+        with pytest.raises(ValueError, match=r"shape \(3,\); expected \(2,\) for 2 states"):
+            envs.step_batch(np.ones(3, dtype=np.int64), states)
+        with pytest.raises(TypeError, match="state 1 is a dict"):
+            envs.step_batch(np.ones(2, dtype=np.int64), [states[0], {}])
+        alien = EnvSnapshot("somewhere.OtherEnv", "state", None)
+        with pytest.raises(ValueError, match=r"state 0 is of a somewhere\.OtherEnv env"):
+            envs.step_batch(np.ones(1, dtype=np.int64), [alien])
+        with pytest.raises(ValueError, match="dt must be an int >= 1"):
+            envs.step_batch(np.ones(2, dtype=np.int64), states, dt=0)
+        with pytest.raises(ValueError, match="pass 2 actions, got 3"):
+            envs.step_batch(np.ones(3, dtype=np.int64))
+        with pytest.raises(ValueError, match="set_states\\(\\) got 1 states for 2 envs"):
+            envs.set_states(states[:1])
+        assert envs.get_attr("count") == (0, 0)  # nothing was stepped
+
+
+@pytest.mark.fault
+def test_a_worker_sigkilled_during_step_batch_is_replayed_to_the_undisturbed_result(tmp_path):
+    factory = functools.partial(SlowStepCartPole, 0.002)
+    with MultiEnv([factory] * N, envs_per_worker=2) as envs:
+        envs.reset(seed=1)
+        states = envs.get_states()
+        actions = np.arange(40) % 2
+        want = envs.step_batch(actions, states * 10, dt=3)
+        victim = envs.envs[0].pid
+        timer = threading.Timer(0.02, os.kill, (victim, signal.SIGKILL))
+        timer.start()
+        got = envs.step_batch(actions, states * 10, dt=3)
+        timer.join()
+        assert envs.envs[0].pid != victim
+        for part_got, part_want in zip(got[1:5], want[1:5], strict=True):
+            np.testing.assert_array_equal(part_got, part_want)
+        replayed = [j for j, info in enumerate(got[5]) if "multienv" in info]
+        assert replayed == list(range(20))  # worker 0's share: the first half of the pairs
+        assert got[5][0]["multienv"]["cause"] == "SIGKILL"
+        assert got[5][0]["multienv"]["replayed"] is True
+
+
+@pytest.mark.fault
+def test_set_states_survives_a_respawn_and_the_restored_env_goes_on_from_its_state():
+    with MultiEnv([functools.partial(SlowReset, 0.0)] * 2) as envs:
+        envs.reset()
+        for _ in range(3):
+            envs.step(np.ones(2, dtype=np.int64))
+        states = envs.get_states()
+        os.kill(envs.envs[1].pid, signal.SIGKILL)
+        envs.set_states(states)  # env 1's worker is dead: respawned, then the state restored
+        obs, _, _, truncated, infos = envs.step(np.ones(2, dtype=np.int64))
+        assert obs[:, 0].tolist() == [4.0, 4.0]
+        assert truncated.tolist() == [False, False]
+        assert "multienv" not in infos
+        assert envs.stats()[1]["restarts"] == 1
+
+
+class SlowStepCartPole(StatefulCartPole):
+    """A StatefulCartPole whose steps take a little while, so a kill lands mid-batch."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+
+    def step(self, action):
+        import time
+
+        time.sleep(self.step_s)
+        return super().step(action)
+
+
+@pytest.mark.parametrize("layout", [Layout("ray", 2)], indirect=True, ids=["ray-k2"])
+def test_states_and_step_batch_on_ray(layout):
+    with MultiEnv([StatefulCartPole] * N, **layout.options) as envs:
+        envs.reset(seed=2)
+        states = envs.get_states()
+        local = Local(StatefulCartPole)
+        _, obs, *_ = envs.step_batch(np.ones(2 * N, dtype=np.int64), states * 2, dt=2)
+        for j in range(2 * N):
+            np.testing.assert_array_equal(obs[j], local.run(states[j % N], 1, 2)[0])
+        envs.sync_states(states[0])
+        obs, *_ = envs.step(np.ones(N, dtype=np.int64))
+        assert (obs == obs[0]).all()
