@@ -414,3 +414,24 @@ class OldApiEnv:
 
     def _obs(self):
         return np.array([self.count, self.seed_value], dtype=np.float32)
+
+
+class FixedLengthCrashOnce(FixedLengthEnv):
+    """A FixedLengthEnv that segfaults on step ``at_count`` of the first worker there."""
+
+    def __init__(self, length: int, marker: str, at_count: int) -> None:
+        super().__init__(length)
+        self.marker, self.at_count = marker, at_count
+
+    def step(self, action):
+        if self.count + 1 == self.at_count and _crash_once(self.marker):
+            segfault()
+        return super().step(action)
+
+
+class OptionsEcho(CountingEnv):
+    """Its reset info's "a" is ``options["a"]`` (-1 without options)."""
+
+    def reset(self, *, seed=None, options=None):
+        obs, _ = super().reset(seed=seed)
+        return obs, {"a": -1 if options is None else options.get("a", -1)}
