@@ -22,7 +22,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from multienv.protocol import Command, EnvSnapshot, Pair, PairOutcome
+from multienv.protocol import Command, EnvSnapshot, PairResults, Pairs
 
 if TYPE_CHECKING:
     from multienv.multi_env import MultiEnv
@@ -100,53 +100,53 @@ def step_batch(
     restarts_before = []
     for worker, items in shares:
         positions = worker.positions
-        pairs = [
-            Pair(positions[n % len(positions)], checked[j], action_list[j], int(steps[j]))
-            for n, j in enumerate(items)
-        ]
+        pairs = Pairs(
+            [positions[n % len(positions)] for n in range(len(items))],
+            [checked[j] for j in items],
+            [action_list[j] for j in items],
+            steps[items].tolist(),
+        )
         supervisor = worker.supervisor
         restarts_before.append(supervisor.proxies[positions[0]].restarts)
-        supervisor.send_request(
-            pairs[0].position, Command.STEP_PAIRS, pairs, int(steps[items].sum())
-        )
-    outcomes: list[PairOutcome | None] = [None] * count
+        supervisor.send_request(positions[0], Command.STEP_PAIRS, pairs, int(steps[items].sum()))
+    new_states: list[EnvSnapshot | None] = [None] * count
+    obs_list: list[Any] = [None] * count
+    rewards = np.zeros(count, dtype=np.float64)
+    terminated = np.zeros(count, dtype=np.bool_)
+    truncated = np.zeros(count, dtype=np.bool_)
     infos: list[dict[str, Any]] = [{} for _ in range(count)]
     errors: dict[int, Exception] = {}
     for (worker, items), before in zip(shares, restarts_before, strict=True):
         supervisor = worker.supervisor
         try:
-            results: list[PairOutcome] = supervisor.finish_request()
+            results: PairResults = supervisor.finish_request()
         except Exception as exc:  # noqa: BLE001 - raised below, lowest pair first
             errors[items[0]] = exc
             continue
+        for n, failure in results.failures.items():
+            errors[items[n]] = supervisor.env_error(failure, "step_batch", failure.position)
+        span = slice(items[0], items[-1] + 1)  # a share is contiguous
+        new_states[span] = results.snapshots
+        obs_list[span] = list(results.obs)
+        rewards[span] = results.rewards
+        terminated[span] = results.terminated
+        truncated[span] = results.truncated
+        infos[span] = results.infos
         proxy = supervisor.proxies[worker.positions[0]]
-        replayed = proxy.restarts != before
-        for j, outcome in zip(items, results, strict=True):
-            outcomes[j] = outcome
-            if outcome.failure is not None:
-                errors[j] = supervisor.env_error(
-                    outcome.failure, "step_batch", outcome.failure.position
-                )
-                continue
-            infos[j] = dict(outcome.info)
-            if replayed:
-                infos[j]["multienv"] = {
-                    "restarted": True,
-                    "cause": proxy.last_failure,
-                    "restarts": proxy.restarts,
-                    "replayed": True,
-                }
+        if proxy.restarts != before:
+            replay = {
+                "restarted": True,
+                "cause": proxy.last_failure,
+                "restarts": proxy.restarts,
+                "replayed": True,
+            }
+            for j in items:
+                infos[j] = {**infos[j], "multienv": replay}
     if errors:
-        first_error = min(errors)
-        raise errors[first_error]
-    done = [outcome for outcome in outcomes if outcome is not None]
+        raise errors[min(errors)]
     space = vec.single_observation_space
     buffer: Any = create_empty_array(space, count)
-    obs = concatenate(space, [o.obs for o in done], buffer)
-    rewards = np.array([o.reward for o in done], dtype=np.float64)
-    terminated = np.array([o.terminated for o in done], dtype=np.bool_)
-    truncated = np.array([o.truncated for o in done], dtype=np.bool_)
-    new_states = [o.snapshot for o in done]
+    obs = concatenate(space, obs_list, buffer)
     return new_states, obs, rewards, terminated, truncated, infos  # type: ignore[return-value]
 
 
@@ -160,6 +160,8 @@ def _actions(vec: MultiEnv, actions: Any, count: int) -> list[Any]:
                 f"step_batch() got actions of shape {array.shape}; expected {(count, *shape)} "
                 f"for {count} states."
             )
+        if isinstance(space, gym.spaces.Discrete):
+            return list(array.tolist())  # Python ints: what envs check fastest
         return list(array)
     action_list = list(actions)
     if len(action_list) != count:

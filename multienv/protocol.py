@@ -46,7 +46,7 @@ class Command(enum.IntEnum):
     ATTACH = 8  # payload: (BatchLayout, worker_index, env_indices); two fds follow
     GET_STATE = 9  # payload: None; the reply's value is an EnvSnapshot
     SET_STATE = 10  # payload: EnvSnapshot
-    STEP_PAIRS = 11  # payload: list[Pair]; the reply's value is list[PairOutcome]
+    STEP_PAIRS = 11  # payload: Pairs; the reply's value is PairResults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,48 +262,65 @@ class EnvDescription:
 class EnvSnapshot:
     """One env's state, opaque and picklable: ``MultiEnv.get_states()`` returns these.
 
+    The state travels pickled (``data`` is bytes), so the parent passes it between workers
+    without unpickling it: the pickling is done by the workers, in parallel.
+
     Attributes:
         env_type: The unwrapped env's class (``module.QualName``); a snapshot is restored
             only into an env of the same class.
-        kind: ``"state"``: ``data`` is what the env's own ``get_state()`` returned (the
-            planning convention); ``"object"``: ``data`` is the whole env, wrapper stack
-            included, pickled with cloudpickle.
-        data: The state itself.
+        kind: ``"state"``: ``data`` pickles what the env's own ``get_state()`` returned (the
+            planning convention); ``"object"``: ``data`` pickles the whole env, wrapper
+            stack included.
+        data: The pickled state.
     """
 
     env_type: str
     kind: str
-    data: Any
+    data: bytes
+
+    def value(self) -> Any:
+        """The state itself: what ``get_state()`` returned, or a copy of the whole env."""
+        return pickle.loads(self.data)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Pair:
-    """One (state, action) pair of ``step_batch``, for one env of a worker.
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    """A worker's share of ``step_batch``, column by column (cheaper to pickle than rows).
 
     Attributes:
-        position: The env's place in its worker.
-        snapshot: The state to restore first, or None to step from the current one.
-        action: The action, repeated.
-        dt: Steps to repeat it for, stopping early at the episode's end.
+        positions: Per pair, the worker's env to run it on.
+        snapshots: Per pair, the state to restore first, or None for the current one.
+        actions: Per pair, the action, repeated.
+        dts: Per pair, steps to repeat it for, stopping early at the episode's end.
     """
 
-    position: int
-    snapshot: EnvSnapshot | None
-    action: Any
-    dt: int
+    positions: list[int]
+    snapshots: list[EnvSnapshot | None]
+    actions: Any
+    dts: list[int]
 
 
-@dataclasses.dataclass(slots=True)
-class PairOutcome:
-    """What one pair produced: the summed reward, the last step's flags, the state reached."""
+@dataclasses.dataclass
+class PairResults:
+    """What a share of pairs produced, column by column.
 
-    snapshot: EnvSnapshot | None
-    obs: Any = None
-    reward: float = 0.0
-    terminated: bool = False
-    truncated: bool = False
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    failure: RemoteFailure | None = None
+    Attributes:
+        snapshots: Per pair, the state reached (None where it failed).
+        obs: Per pair, the last observation: one stacked array when they fit, else a list.
+        rewards: Per pair, the summed reward.
+        terminated: Per pair, the last step's flag.
+        truncated: Per pair, the last step's flag.
+        infos: Per pair, the last step's info.
+        failures: By pair index, the env's exception.
+    """
+
+    snapshots: list[EnvSnapshot | None]
+    obs: Any
+    rewards: list[float]
+    terminated: list[bool]
+    truncated: list[bool]
+    infos: list[dict[str, Any]]
+    failures: dict[int, RemoteFailure]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,8 @@ from multienv.protocol import (
     EnvSnapshot,
     Order,
     Outcome,
-    Pair,
-    PairOutcome,
+    PairResults,
+    Pairs,
     RemoteFailure,
     Reply,
     Request,
@@ -58,6 +58,7 @@ class EnvRunner:
         self._env_fn_bytes = list(env_fn_bytes)
         self.envs: list[gym.Env[Any, Any]] = []
         self._checks: list[ObsCheck | None] = []
+        self._state_methods: dict[int, tuple[str, Any, Any]] = {}  # by position, see get_state
 
     def build(self) -> list[EnvDescription]:
         """Build every env in order and describe it.
@@ -141,56 +142,86 @@ class EnvRunner:
             self.set_state(position, payload)
             return None
         if command is Command.STEP_PAIRS:
-            return [self.step_pair(pair) for pair in payload]
+            return self.step_pairs(payload)
         raise ValueError(f"{command!r} is not a call of one env")
 
     def get_state(self, position: int) -> EnvSnapshot:
         """The env's own ``get_state()``, or else the whole env pickled."""
-        env = self.envs[position]
-        getter = _state_method(env, "get_state")
-        if getter is not None and _state_method(env, "set_state") is not None:
-            return EnvSnapshot(env_type(env), "state", getter())
-        try:
-            data = pickle.dumps(env, protocol=pickle.HIGHEST_PROTOCOL)  # 4x faster, when it can
-        except Exception:  # noqa: BLE001 - lambdas, local classes: cloudpickle handles them
-            data = cloudpickle.dumps(env)
-        return EnvSnapshot(env_type(env), "object", data)
+        env_class, getter, _ = self._state_access(position)
+        if getter is not None:
+            return EnvSnapshot(env_class, "state", _dumps(getter()))
+        return EnvSnapshot(env_class, "object", _dumps(self.envs[position]))
 
     def set_state(self, position: int, snapshot: EnvSnapshot) -> None:
         """Restore a snapshot of ``get_state`` into the env at ``position``."""
-        env = self.envs[position]
-        if snapshot.env_type != env_type(env):
+        env_class, _, setter = self._state_access(position)
+        if snapshot.env_type != env_class:
             raise ValueError(
-                f"the state is of a {snapshot.env_type} env; this env is a {env_type(env)}"
+                f"the state is of a {snapshot.env_type} env; this env is a {env_class}"
             )
         if snapshot.kind == "state":
-            setter = _state_method(env, "set_state")
             if setter is None:
-                raise ValueError(f"the state came from get_state(), which {env_type(env)} lacks")
-            setter(snapshot.data)
+                raise ValueError(f"the state came from get_state(), which {env_class} lacks")
+            setter(pickle.loads(snapshot.data))
         else:
             self.envs[position] = pickle.loads(snapshot.data)
+            self._state_methods.pop(position, None)  # a new object: bound methods change
 
-    def step_pair(self, pair: Pair) -> PairOutcome:
-        """Restore the pair's state, repeat its action up to ``dt`` times, keep the new state."""
-        try:
-            if pair.snapshot is not None:
-                self.set_state(pair.position, pair.snapshot)
-            env = self.envs[pair.position]
-            total = 0.0
-            terminated = truncated = False
-            obs: Any = None
-            info: dict[str, Any] = {}
-            for _ in range(pair.dt):
-                obs, reward, terminated, truncated, info = env.step(pair.action)
-                total += float(reward)
-                if terminated or truncated:
-                    break
-            self.check(pair.position, obs)
-            snapshot = self.get_state(pair.position)
-        except Exception as exc:  # noqa: BLE001 - reported for this pair only
-            return PairOutcome(None, failure=package_failure(exc, pair.position))
-        return PairOutcome(snapshot, obs, total, bool(terminated), bool(truncated), info)
+    def _state_access(self, position: int) -> tuple[str, Any, Any]:
+        """The env's class name and its ``get_state`` / ``set_state`` (None, None if not both)."""
+        access = self._state_methods.get(position)
+        if access is None:
+            env = self.envs[position]
+            getter, setter = _state_method(env, "get_state"), _state_method(env, "set_state")
+            if getter is None or setter is None:
+                getter = setter = None
+            access = self._state_methods[position] = (env_type(env), getter, setter)
+        return access
+
+    def step_pairs(self, pairs: Pairs) -> PairResults:
+        """For each pair: restore its state, repeat its action up to ``dt`` times, snapshot."""
+        count = len(pairs.positions)
+        results = PairResults(
+            [None] * count,
+            [None] * count,
+            [0.0] * count,
+            [False] * count,
+            [False] * count,
+            [{}] * count,
+            {},
+        )
+        for j, (position, snapshot, action, dt) in enumerate(
+            zip(pairs.positions, pairs.snapshots, pairs.actions, pairs.dts, strict=True)
+        ):
+            try:
+                if snapshot is not None:
+                    self.set_state(position, snapshot)
+                env = self.envs[position]
+                total = 0.0
+                terminated = truncated = False
+                obs: Any = None
+                info: dict[str, Any] = {}
+                for _ in range(dt):
+                    obs, reward, terminated, truncated, info = env.step(action)
+                    total += float(reward)
+                    if terminated or truncated:
+                        break
+                self.check(position, obs)
+                results.snapshots[j] = self.get_state(position)
+            except Exception as exc:  # noqa: BLE001 - reported for this pair only
+                results.failures[j] = package_failure(exc, position)
+                continue
+            results.obs[j] = obs
+            results.rewards[j] = total
+            results.terminated[j] = bool(terminated)
+            results.truncated[j] = bool(truncated)
+            results.infos[j] = info
+        if not results.failures and all(isinstance(o, np.ndarray) for o in results.obs):
+            try:
+                results.obs = np.stack(results.obs)  # one array pickles faster than many
+            except ValueError:
+                pass  # shapes differ (an invalid obs is caught by check())
+        return results
 
     def close(self) -> None:
         """Close every env that was built; errors in closing are reported on stderr."""
@@ -270,6 +301,14 @@ def encode_reply(reply: Reply, request: Request | None, resets: set[int] | None 
             problem = explain_unpicklable(name, outcome, item_exc)
             outcomes[key] = Outcome(failure=package_failure(problem, position))
     return encode(reply)
+
+
+def _dumps(value: Any) -> bytes:
+    """Pickle a state: with plain pickle (4x faster) when it can, else with cloudpickle."""
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - lambdas, local classes: cloudpickle handles them
+        return bytes(cloudpickle.dumps(value))
 
 
 def env_type(env: gym.Env[Any, Any]) -> str:

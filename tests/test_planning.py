@@ -31,7 +31,7 @@ class Local:
         if state.kind == "object":
             self.env = pickle.loads(state.data)
         else:
-            self.env.set_state(state.data)
+            self.env.set_state(state.value())
 
     def signature(self):
         """What a state determines: compared across a restore, not byte for byte."""
