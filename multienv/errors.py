@@ -6,6 +6,8 @@ training script can tell which env failed without parsing messages.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MultiEnvError(Exception):
     """Base class: catch this to catch every error multienv raises."""
@@ -25,7 +27,16 @@ class EnvError(MultiEnvError):
 
     ``__cause__`` is the original exception (or a ``RemoteTraceback`` when it could not be
     sent), whose own ``__cause__`` holds the worker's formatted traceback.
+
+    Raised by ``MultiEnv.step`` / ``step_wait``, it carries the step's other results, since
+    the other envs did step: ``results`` is the usual ``(obs, rewards, terminations,
+    truncations, infos)`` of the whole batch, and ``failed_env_ids`` the envs that raised
+    (their entries hold the observation they were on, reward 0 and no flags). Otherwise
+    both are None.
     """
+
+    results: tuple[Any, Any, Any, Any, dict[str, Any]] | None = None
+    failed_env_ids: list[int] | None = None
 
 
 class EnvCrashedError(MultiEnvError):

@@ -29,7 +29,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from multienv import planning
 from multienv.autoreset import Autoreset
-from multienv.errors import EnvStateError
+from multienv.errors import EnvError, EnvStateError
 from multienv.protocol import Batch, BatchResult, EnvSnapshot, StepPlan
 from multienv.proxy import EnvState, RemoteEnv, VectorLink, WorkerSupervisor
 
@@ -875,7 +875,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             autoreset.after_step(index, result.terminated, result.truncated)
             if result.obs is not None:
                 for item, env_index in enumerate(worker.env_ids):
-                    self._env_obs[env_index] = result.obs[item]
+                    if env_index not in worker_errors:  # an env that raised keeps its obs
+                        self._env_obs[env_index] = result.obs[item]
             for item, extra in result.extras.items():
                 env_index = worker.env_ids[item]
                 if env_index in worker_errors:
@@ -886,9 +887,17 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     info = self._reset_after_crash(env_index, info)
                 if info:
                     infos = self._add_info(infos, info, env_index)
+        if errors:  # an env that raised did not step: no reward, no flags
+            failed = np.array(sorted(errors))
+            rewards[failed], terminations[failed], truncations[failed] = 0.0, False, False
+            autoreset.after_step(failed, terminations[failed], truncations[failed])
+        batch = self._batched_obs(), rewards.copy(), terminations.copy(), truncations.copy(), infos
         if errors:
+            for error in errors.values():  # the other envs did step: their results go along
+                if isinstance(error, EnvError):
+                    error.results, error.failed_env_ids = batch, sorted(errors)
             self._raise_first(errors)
-        return self._batched_obs(), rewards.copy(), terminations.copy(), truncations.copy(), infos
+        return batch
 
     def _commit(self, plan: StepPlan, index: slice) -> None:
         """Take the results of envs ``index`` of a planned step from shared memory."""

@@ -197,6 +197,13 @@ def test_env_error_in_one_env_names_it_and_its_siblings_are_neither_lost_nor_ste
         with pytest.raises(EnvError, match=r"env 4: .*ValueError in step\(\): boom") as caught:
             envs.step(np.ones(N, dtype=np.int64))
         assert caught.value.env_index == 4
+        # The others did step: their results travel with the error, none is lost.
+        obs, rewards, terminations, truncations, _ = caught.value.results
+        assert caught.value.failed_env_ids == [4]
+        assert obs[:, 0].tolist() == [2.0, 2.0, 2.0, 2.0, 1.0, 2.0, 2.0]  # env 4: as it was
+        assert rewards.tolist() == [1.0] * 4 + [0.0] + [1.0] * 2
+        assert not terminations.any()
+        assert not truncations.any()
         assert [proxy.pid for proxy in envs.envs] == pids  # no worker died
         counts = envs.get_attr("count")
         assert counts == tuple(2 for _ in range(N))  # every env stepped exactly twice
