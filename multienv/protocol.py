@@ -47,6 +47,7 @@ class Command(enum.IntEnum):
     GET_STATE = 9  # payload: None; the reply's value is an EnvSnapshot
     SET_STATE = 10  # payload: EnvSnapshot
     STEP_PAIRS = 11  # payload: Pairs; the reply's value is PairResults
+    IS_WRAPPED = 12  # payload: a wrapper class; the reply's value is a bool
 
 
 @dataclasses.dataclass(frozen=True)

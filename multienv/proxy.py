@@ -954,6 +954,10 @@ class RemoteEnv(gym.Env[Any, Any]):
         """Set the remote env's attribute ``name`` (on the wrapper that has it)."""
         self._request(Command.SET_ATTR, (name, value))
 
+    def is_wrapped(self, wrapper_class: type) -> bool:
+        """Whether the remote env's wrapper stack has a ``wrapper_class``, checked in the worker."""
+        return bool(self._request(Command.IS_WRAPPED, wrapper_class))
+
     # ------------------------------------------- split-phase calls, for single-env users
 
     def send_reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> None:

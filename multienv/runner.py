@@ -143,6 +143,12 @@ class EnvRunner:
             return None
         if command is Command.STEP_PAIRS:
             return self.step_pairs(payload)
+        if command is Command.IS_WRAPPED:
+            while isinstance(env, gym.Wrapper):
+                if isinstance(env, payload):
+                    return True
+                env = env.env
+            return False
         raise ValueError(f"{command!r} is not a call of one env")
 
     def get_state(self, position: int) -> EnvSnapshot:
