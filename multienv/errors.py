@@ -1,12 +1,20 @@
 """Exception hierarchy, raised in the parent process; imports nothing from multienv.
 
+Where a Gymnasium vector env raises a given type (``NoAsyncCallError``, a
+``multiprocessing.TimeoutError``, ``RuntimeError`` for mismatched spaces, the env's own
+exception type), multienv's error is that type too, so code written for AsyncVectorEnv
+catches it.
+
 Every error carries ``env_index`` (``None`` when no single env is to blame), so a
 training script can tell which env failed without parsing messages.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 from typing import Any
+
+from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError
 
 
 class MultiEnvError(Exception):
@@ -20,6 +28,36 @@ class MultiEnvError(Exception):
 
 class EnvStateError(MultiEnvError, RuntimeError):
     """The call is not allowed in the env's current state, e.g. ``step()`` before ``start()``."""
+
+
+class NoPendingCallError(EnvStateError, NoAsyncCallError):
+    """A ``*_wait()`` without its ``*_async()``; Gymnasium's ``NoAsyncCallError`` too."""
+
+    def __init__(self, message: str, name: str) -> None:
+        """Store the message and the name of the call that was expected."""
+        EnvStateError.__init__(self, message)
+        self.name = name
+
+
+class PendingCallError(EnvStateError, AlreadyPendingCallError):
+    """A call while an ``*_async()`` is pending; Gymnasium's ``AlreadyPendingCallError`` too."""
+
+    def __init__(self, message: str, name: str) -> None:
+        """Store the message and the name of the pending call."""
+        EnvStateError.__init__(self, message)
+        self.name = name
+
+
+class WaitTimeoutError(MultiEnvError, multiprocessing.TimeoutError, TimeoutError):
+    """``step_wait`` / ``reset_wait`` / ``recv`` timed out; the call stays in flight.
+
+    Both ``multiprocessing.TimeoutError`` (what AsyncVectorEnv raises) and the builtin
+    ``TimeoutError`` catch it.
+    """
+
+
+class SpaceMismatchError(MultiEnvError, ValueError, RuntimeError):
+    """The envs of a vector do not share their spaces (AsyncVectorEnv raises RuntimeError)."""
 
 
 class EnvError(MultiEnvError):
@@ -37,6 +75,33 @@ class EnvError(MultiEnvError):
 
     results: tuple[Any, Any, Any, Any, dict[str, Any]] | None = None
     failed_env_ids: list[int] | None = None
+
+
+def env_error_class(remote_type: type[BaseException] | None) -> type[EnvError]:
+    """``EnvError``, or for a builtin exception type a subclass of both.
+
+    ``except ValueError`` then catches an env's ValueError, as it does with Gymnasium's
+    AsyncVectorEnv; ``except EnvError`` still catches every env error.
+    """
+    if (
+        remote_type is None
+        or remote_type.__module__ != "builtins"
+        or not issubclass(remote_type, Exception)
+        or issubclass(remote_type, MultiEnvError)
+    ):
+        return EnvError
+    cached = _ENV_ERROR_CLASSES.get(remote_type)
+    if cached is None:
+        try:
+            name = f"EnvError[{remote_type.__name__}]"
+            cached = type(name, (EnvError, remote_type), {"__str__": Exception.__str__})
+        except TypeError:  # layouts that cannot be combined (OSError and friends)
+            cached = EnvError
+        _ENV_ERROR_CLASSES[remote_type] = cached
+    return cached
+
+
+_ENV_ERROR_CLASSES: dict[type[BaseException], type[EnvError]] = {}
 
 
 class EnvCrashedError(MultiEnvError):

@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -25,11 +26,24 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
+from gymnasium.vector.utils import (
+    batch_differing_spaces,
+    batch_space,
+    concatenate,
+    create_empty_array,
+    iterate,
+)
 
 from multienv import planning
 from multienv.autoreset import Autoreset
-from multienv.errors import EnvError, EnvStateError
+from multienv.errors import (
+    EnvError,
+    EnvStateError,
+    NoPendingCallError,
+    PendingCallError,
+    SpaceMismatchError,
+    WaitTimeoutError,
+)
 from multienv.protocol import Batch, BatchResult, EnvSnapshot, StepPlan
 from multienv.proxy import EnvState, RemoteEnv, VectorLink, WorkerSupervisor
 
@@ -101,6 +115,22 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         backend: With env factories, where the workers run: ``"subprocess"`` (daemon
             processes on this machine) or ``"ray"`` (Ray actors, on a cluster; needs
             ``multienv[ray]``, see ``create_ray_envs``).
+        shared_memory: As ``AsyncVectorEnv`` takes it. None (default): observations of
+            fixed-shape spaces travel through shared memory, others pickled; True: the same,
+            but a space of dynamic shape raises TypeError, as AsyncVectorEnv does; False:
+            always pickled. The Ray backend has no shared memory and ignores it.
+        context: The multiprocessing start method (``"forkserver"``, ``"spawn"``,
+            ``"fork"``) or context; see ``resolve_context``.
+        daemon: As ``AsyncVectorEnv`` takes it: False starts the worker processes as
+            non-daemons, so env code may start processes of its own (they still exit with
+            this process). The Ray backend ignores it.
+        worker: Accepted so that ``AsyncVectorEnv``'s arguments pass, but only None: a
+            multienv worker is not a function to replace (it is an ``EnvRunner`` under a
+            supervisor that respawns it), so any other value raises ValueError.
+        observation_mode: ``"same"`` (default): every env has the same observation space.
+            ``"different"``: spaces may differ within what Gymnasium can batch
+            (``batch_differing_spaces``); observations are then pickled. A tuple
+            ``(batched_space, single_space)`` sets the spaces outright.
         **options: ``SubprocessEnv`` or ``RayEnv`` options (``ray_options=RayOptions(...)``
             for Ray), used only when ``envs`` are factories.
     """
@@ -115,11 +145,31 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         max_concurrency: int | None = None,
         envs_per_worker: int = 1,
         backend: str = "subprocess",
+        shared_memory: bool | None = None,
+        daemon: bool = True,
+        worker: Callable[..., Any] | None = None,
+        observation_mode: str | tuple[gym.Space[Any], gym.Space[Any]] = "same",
         **options: Any,
     ) -> None:
         """Build or adopt the envs, check that their spaces match, and batch the spaces."""
+        if worker is not None:
+            raise ValueError(
+                "MultiEnv(worker=...): multienv's workers are not a function to replace (each "
+                "runs an EnvRunner under a supervisor that respawns it); wrap the env instead."
+            )
+        if not isinstance(observation_mode, tuple) and observation_mode not in (
+            "same",
+            "different",
+        ):
+            raise ValueError(
+                "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single "
+                f"and batch observation space, actual got {observation_mode}"
+            )
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.copy = copy
+        self.shared_memory = shared_memory
+        self.daemon = daemon
+        self.observation_mode = observation_mode
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency!r}.")
         self.max_concurrency = max_concurrency
@@ -137,6 +187,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             proxies: list[Any] = items
             _check_ready(proxies)
         elif not any(is_proxy):
+            if not daemon and backend == "subprocess":
+                options["daemon"] = False
             proxies = _create_envs(backend, items, envs_per_worker=envs_per_worker, **options)
         else:
             first = is_proxy.index(not is_proxy[0])
@@ -154,14 +206,33 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
     def _adopt(self, proxies: list[RemoteEnv], num_threads: int | None) -> None:
         first = proxies[0]
+        mode = self.observation_mode
         for env_index, proxy in enumerate(proxies):
-            for name in ("observation_space", "action_space"):
-                space, expected = getattr(proxy, name), getattr(first, name)
-                if space != expected:
-                    raise ValueError(
-                        f"env {env_index}: {name} {space!r} differs from env 0's {expected!r}; "
-                        "all envs of a MultiEnv must have the same spaces."
-                    )
+            if proxy.action_space != first.action_space:
+                raise SpaceMismatchError(
+                    f"env {env_index}: action_space {proxy.action_space!r} differs from env 0's "
+                    f"{first.action_space!r}; all envs of a MultiEnv must have the same action "
+                    "space.",
+                    env_index=env_index,
+                )
+            space = proxy.observation_space
+            if mode == "same" and space != first.observation_space:
+                raise SpaceMismatchError(
+                    "MultiEnv(..., observation_mode='same') however the sub-environments "
+                    f"observation spaces are not equivalent. env {env_index}: {space!r}, env 0: "
+                    f"{first.observation_space!r}. If this is intentional, use "
+                    "`observation_mode='different'` instead.",
+                    env_index=env_index,
+                )
+            single = mode[1] if isinstance(mode, tuple) else first.observation_space
+            if mode != "same" and not _same_shape(space, single):
+                given = "'different'" if mode == "different" else "custom space"
+                raise SpaceMismatchError(
+                    f"MultiEnv(..., observation_mode={given}) however env {env_index}'s "
+                    f"observation space {space!r} does not share a common shape and dtype "
+                    f"with {single!r}.",
+                    env_index=env_index,
+                )
         self.envs: list[Any] = proxies
         self.num_envs = len(proxies)
         self.metadata = dict(first.metadata)
@@ -172,6 +243,14 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self.single_action_space = first.action_space
         self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
+        shared_memory = self.shared_memory
+        if isinstance(mode, tuple):
+            self.observation_space, self.single_observation_space = mode
+        elif mode == "different":
+            spaces = [proxy.observation_space for proxy in proxies]
+            self.observation_space = batch_differing_spaces(spaces)
+            if any(space != spaces[0] for space in spaces):
+                shared_memory = False  # one slot layout cannot hold them all
 
         self._workers = _group_by_worker(proxies)
         self._worker_of = [0] * self.num_envs
@@ -199,6 +278,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             max_workers=len(self._slices), thread_name_prefix="multienv"
         )
         self._pending: list[Future[_SliceOutcome]] | None = None  # step_async()
+        self._pending_reset: tuple[list[Future[_SliceOutcome]], np.ndarray] | None = None
         self._plan: StepPlan | None = None  # the planned step in flight, if it is one
         self._flying: dict[int, list[int]] = {}  # workers sent a batch by send(): its envs
         self._received: dict[int, tuple[Any, ...]] = {}  # envs collected, not yet returned
@@ -216,6 +296,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             (self.single_observation_space, self.single_action_space),
             env_indices,
             self._slices,
+            shared_memory,
         )
         try:
             for supervisor in supervisors:
@@ -254,6 +335,66 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 ``reset_param`` idea), which resets every env.
         """
         self._check_idle("reset")
+        make_batch, mask = self._prepare_reset(seed, options)
+        return self._finish_reset(
+            self._gather(self._fan_out(range(len(self._workers)), make_batch)), mask
+        )
+
+    def reset_async(
+        self,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+    ) -> None:
+        """Send a reset to the envs and return at once; ``reset_wait()`` collects it.
+
+        The arguments are those of ``reset``; bad ones raise here, before anything is sent.
+        """
+        self._check_idle("reset_async")
+        make_batch, mask = self._prepare_reset(seed, options)
+        self._pending_reset = (
+            [
+                self._executor.submit(
+                    _run_slice, [self._workers[n] for n in part], part, make_batch
+                )
+                for part in self._slices
+            ],
+            mask,
+        )
+
+    def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
+        """Wait for the reset sent by ``reset_async()``.
+
+        Args:
+            timeout: Seconds to wait; on expiry ``multiprocessing.TimeoutError`` is raised (as
+                AsyncVectorEnv does) and the reset stays in flight: call ``reset_wait()``
+                again.
+
+        Raises:
+            gymnasium.error.NoAsyncCallError: No ``reset_async()`` is pending.
+        """
+        if self.closed:
+            raise ClosedEnvironmentError("MultiEnv.reset_wait() called after close().")
+        if self._pending_reset is None:
+            raise NoPendingCallError(
+                "Calling `reset_wait` without any prior call to `reset_async`.", "reset"
+            )
+        futures, mask = self._pending_reset
+        _done, not_done = wait_futures(futures, timeout)
+        if not_done:
+            raise WaitTimeoutError(
+                f"The call to `reset_wait` has timed out after {timeout} second(s); the reset "
+                "stays in flight: call reset_wait() again, or close()."
+            )
+        self._pending_reset = None
+        outcome: _SliceOutcome = {}
+        for future in futures:
+            outcome.update(future.result())
+        return self._finish_reset(outcome, mask)
+
+    def _prepare_reset(
+        self, seed: Any, options: Any
+    ) -> tuple[Callable[[_Worker], Batch | None], np.ndarray]:
+        """Check a reset's arguments; the batch of each worker, and the mask of envs reset."""
         seeds = self._seeds(seed)
         per_env = self._options_per_env(options)
         mask = self._reset_mask(per_env.pop() if per_env else None)
@@ -273,21 +414,31 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 [per_env[worker.env_ids[k]] for k in chosen] if has_options else None,
             )
 
-        outcome = self._gather(self._fan_out(range(len(self._workers)), make_batch))
+        return make_batch, mask
+
+    def _finish_reset(self, outcome: _SliceOutcome, mask: np.ndarray) -> tuple[Any, dict[str, Any]]:
+        """The reset's batched observations and infos; raises the lowest env's error, if any."""
         infos: dict[str, Any] = {}
+        errors: dict[int, BaseException] = {}
         for number, worker in enumerate(self._workers):
             if number not in outcome:
                 continue
-            result, _ = outcome[number]
-            assert result is not None
+            result, worker_errors = outcome[number]
+            errors.update(worker_errors)
+            if result is None:
+                continue
             ids = [env_index for env_index in worker.env_ids if mask[env_index]]
-            self._autoreset.after_reset(ids)
+            self._autoreset.after_reset([i for i in ids if i not in worker_errors])
             for item, env_index in enumerate(ids):
+                if env_index in worker_errors:
+                    continue
                 if result.obs is not None:
                     self._env_obs[env_index] = result.obs[item]
                 extra = result.extras.get(item)
                 if extra is not None and extra.info:
                     infos = self._add_info(infos, extra.info, env_index)
+        if errors:
+            self._raise_first(errors)
         return self._batched_obs(), infos
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
@@ -299,7 +450,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
     def step_async(self, actions: Any) -> None:
         """Send a step to every env and return at once; ``step_wait()`` collects it."""
-        make_batch = self._prepare_step(actions)
+        make_batch = self._prepare_step(actions, "step_async")
         if self._is_limited():
             self._pending = [self._executor.submit(self._step_limited, make_batch)]
             return
@@ -316,10 +467,12 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 in flight, so ``step_wait()`` may be called again.
         """
         if self._pending is None:
-            raise EnvStateError("step_wait() called without a pending step_async().")
+            raise NoPendingCallError(
+                "Calling `step_wait` without any prior call to `step_async`.", "step"
+            )
         _done, not_done = wait_futures(self._pending, timeout)
         if not_done:
-            raise TimeoutError(
+            raise WaitTimeoutError(
                 f"step_wait() timed out after {timeout} s with {len(not_done)} of "
                 f"{len(self._pending)} slices still stepping; call step_wait() again, or close()."
             )
@@ -417,7 +570,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 [s.handle for s in supervisors], [s.deadline for s in supervisors], left
             )
             if not ready:
-                raise TimeoutError(
+                raise WaitTimeoutError(
                     f"recv() timed out after {timeout} s with {len(self._received)} of the "
                     f"{size} envs ready; every step is still in flight, call recv() again."
                 )
@@ -474,6 +627,16 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 "one value per env, or a single value for all."
             )
         self._map(lambda i: self.envs[i].set_attr(name, values[i]))
+
+    @property  # a tuple, as AsyncVectorEnv reports it
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
+        """Each env's ``np_random_seed``, as Gymnasium's vector envs report them."""
+        return self.get_attr("np_random_seed")
+
+    @property  # type: ignore[misc]  # a tuple, as AsyncVectorEnv reports it
+    def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
+        """Each env's ``np_random`` generator (copies, from the workers)."""
+        return self.get_attr("np_random")
 
     # ----------------------------------------------------------------- planning
 
@@ -572,9 +735,20 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         return rows
 
     def close_extras(self, timeout: float | None = None, **kwargs: Any) -> None:
-        """Close every worker in parallel, each bounded by ``timeout`` seconds."""
+        """Close every worker in parallel, each bounded by ``timeout`` seconds.
+
+        ``terminate`` and other keywords of ``AsyncVectorEnv.close`` are accepted; the
+        workers are always stopped within ``timeout`` (then killed).
+        """
         if "_link" not in self.__dict__:
             return
+        for pending, state in ((self._pending, "step"), (self._pending_reset, "reset")):
+            if pending is not None:
+                warnings.warn(
+                    f"Calling `close` while waiting for a pending call to `{state}` to complete.",
+                    UserWarning,
+                    stacklevel=3,
+                )
 
         def close_worker(worker: _Worker) -> None:
             for env_index in worker.env_ids:
@@ -592,6 +766,9 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         if self._pending is not None:
             wait_futures(self._pending, timeout=5.0)  # the workers are gone, so they end now
             self._pending = None
+        if self._pending_reset is not None:
+            wait_futures(self._pending_reset[0], timeout=5.0)
+            self._pending_reset = None
         self._executor.shutdown(wait=True)
 
     def __enter__(self) -> MultiEnv:
@@ -612,10 +789,13 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
     def _check_idle(self, name: str) -> None:
         if self.closed:
             raise ClosedEnvironmentError(f"MultiEnv.{name}() called after close().")
-        if self._pending is not None:
-            raise EnvStateError(
-                f"MultiEnv.{name}() called while a step_async() is pending; call step_wait() first."
-            )
+        for pending, state in ((self._pending, "step"), (self._pending_reset, "reset")):
+            if pending is not None:
+                raise PendingCallError(
+                    f"Calling `{name}` while waiting for a pending call to `{state}` to complete "
+                    f"(call {state}_wait() first).",
+                    state,
+                )
         if self._flying or self._received:
             flying = sorted([*self._received, *(i for ids in self._flying.values() for i in ids)])
             raise EnvStateError(
@@ -761,22 +941,26 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
     def _reset_mask(self, mask: Any) -> np.ndarray:
         if mask is None:
             return np.ones(self.num_envs, dtype=np.bool_)
-        if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
-            raise TypeError(
-                f"options['reset_mask'] must be a numpy bool array, got {type(mask).__name__}"
-                f"{'' if not isinstance(mask, np.ndarray) else ' of dtype ' + str(mask.dtype)}."
-            )
+        if not isinstance(mask, np.ndarray):
+            raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
+        if mask.dtype != np.bool_:
+            raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}")
         if mask.shape != (self.num_envs,):
             raise ValueError(
-                f"options['reset_mask'] must have shape ({self.num_envs},), got {mask.shape}."
+                f"`options['reset_mask']` must have shape `({self.num_envs},)`, got {mask.shape}."
             )
         if not mask.any():
-            raise ValueError("options['reset_mask'] must select at least one env.")
+            raise ValueError(
+                "`options['reset_mask']` must contain a boolean array with at least one True "
+                f"value, got reset_mask={mask}"
+            )
         return mask
 
-    def _prepare_step(self, actions: Any) -> Callable[[_Worker], Batch | StepPlan | None]:
+    def _prepare_step(
+        self, actions: Any, name: str = "step"
+    ) -> Callable[[_Worker], Batch | StepPlan | None]:
         """Check the actions and the envs; return how to make each worker's batch."""
-        self._check_idle("step")
+        self._check_idle(name)
         batch_actions = self._split_actions(actions, None)
         autoreset = self._autoreset
         autoreset.check_can_step(slice(None))
@@ -828,7 +1012,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         try:
             count = len(actions)
         except TypeError:
-            raise ValueError(
+            raise TypeError(
                 f"expected a batch of {n} actions (one per env), got a {type(actions).__name__}."
             ) from None
         if count != n:
@@ -1061,6 +1245,19 @@ def _group_by_worker(proxies: Sequence[RemoteEnv]) -> list[_Worker]:
         else:
             worker.index = np.asarray(worker.env_ids)
     return list(workers.values())
+
+
+def _same_shape(space: gym.Space[Any], other: gym.Space[Any]) -> bool:
+    """Whether two observation spaces share their shape and dtype (so they batch together)."""
+    if isinstance(space, gym.spaces.Dict) and isinstance(other, gym.spaces.Dict):
+        return space.spaces.keys() == other.spaces.keys() and all(
+            _same_shape(space[key], other[key]) for key in space.spaces
+        )
+    if isinstance(space, gym.spaces.Tuple) and isinstance(other, gym.spaces.Tuple):
+        return len(space) == len(other) and all(
+            _same_shape(a, b) for a, b in zip(space, other, strict=True)
+        )
+    return type(space) is type(other) and space.shape == other.shape and space.dtype == other.dtype
 
 
 def _check_ready(proxies: Sequence[Any]) -> None:

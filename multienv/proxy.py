@@ -48,7 +48,13 @@ import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector.utils import batch_space, create_empty_array, iterate
 
-from multienv.errors import EnvCrashedError, EnvCrashLoopError, EnvError, EnvStateError
+from multienv.errors import (
+    EnvCrashedError,
+    EnvCrashLoopError,
+    EnvError,
+    EnvStateError,
+    env_error_class,
+)
 from multienv.protocol import (
     PLANNED_OK,
     Batch,
@@ -160,6 +166,7 @@ class WorkerHandle(Protocol):
         spaces: tuple[gym.Space[Any], gym.Space[Any]],
         env_indices: Sequence[Sequence[int]],
         worker_groups: Sequence[Sequence[int]],
+        shared_memory: bool | None = None,
     ) -> VectorLink:
         """Link ``handles`` (this one among them) into one vector.
 
@@ -168,6 +175,9 @@ class WorkerHandle(Protocol):
             spaces: The single-env observation and action spaces.
             env_indices: Per worker, the vector's index of each env, by position (-1: none).
             worker_groups: The workers each collecting thread of the vector serves.
+            shared_memory: Batch observations in shared memory: None when the space
+                allows, True (TypeError if it does not) or False. Backends without shared
+                memory ignore it.
         """
 
 
@@ -584,7 +594,10 @@ class WorkerSupervisor:
         cause: BaseException = failure.exception if failure.exception is not None else remote
         if cause is not remote:
             cause.__cause__ = remote
-        error = EnvError(
+        error_class = env_error_class(
+            type(failure.exception) if failure.exception is not None else None
+        )
+        error = error_class(
             f"env {env_index}: worker (pid {self.handle.pid}) raised {failure.type_name} in "
             f"{name}(): {failure.message}; see the worker traceback above. {advice}",
             env_index=env_index,

@@ -293,8 +293,9 @@ class ActorHandle:
         spaces: tuple[gym.Space[Any], gym.Space[Any]],
         env_indices: Sequence[Sequence[int]],
         worker_groups: Sequence[Sequence[int]],
+        shared_memory: bool | None = None,
     ) -> VectorLink:
-        """Link ``handles`` into one vector: a multi-wait over their actors."""
+        """Link ``handles`` into one vector: a multi-wait over their actors (no shared memory)."""
         if not all(isinstance(handle, ActorHandle) for handle in handles):
             raise TypeError("a vector's envs must all use the same backend")
         return RayLink()

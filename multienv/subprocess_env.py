@@ -35,7 +35,8 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.error import ClosedEnvironmentError
+from gymnasium.error import ClosedEnvironmentError, CustomSpaceError
+from gymnasium.vector.utils import create_shared_memory
 
 from multienv.factory import check_timeouts, create_envs, pickle_env_fn
 from multienv.forkserver import forkserver_context
@@ -137,10 +138,18 @@ class ProcessHandle:
         context: The multiprocessing context to start the process with.
         env_fn_bytes: The cloudpickled factories of the worker's envs, by position.
         env_index: The index of the worker's first env, for names and messages.
+        daemon: Start the worker as a daemon process.
     """
 
-    def __init__(self, context: BaseContext, env_fn_bytes: Sequence[bytes], env_index: int) -> None:
+    def __init__(
+        self,
+        context: BaseContext,
+        env_fn_bytes: Sequence[bytes],
+        env_index: int,
+        daemon: bool = True,
+    ) -> None:
         """Keep what a spawn needs; no process is started yet."""
+        self._daemon = daemon
         self._context = context
         self._env_fn_bytes = list(env_fn_bytes)
         self._env_index = env_index
@@ -199,7 +208,7 @@ class ProcessHandle:
                 is_forkserver,
             ),
             name=f"multienv-worker-{self._env_index}",
-            daemon=True,
+            daemon=self._daemon,
         )
         try:
             process.start()
@@ -421,12 +430,13 @@ class ProcessHandle:
         spaces: tuple[gym.Space[Any], gym.Space[Any]],
         env_indices: Sequence[Sequence[int]],
         worker_groups: Sequence[Sequence[int]],
+        shared_memory: bool | None = None,
     ) -> VectorLink:
         """Link ``handles`` into one vector: shared memory when the spaces allow it."""
         process_handles = [handle for handle in handles if isinstance(handle, ProcessHandle)]
         if len(process_handles) != len(handles):
             raise TypeError("a vector's envs must all use the same backend")
-        return SubprocessLink(process_handles, spaces, env_indices, worker_groups)
+        return SubprocessLink(process_handles, spaces, env_indices, worker_groups, shared_memory)
 
     def join_link(self, deadline: float | None) -> Death | None:
         """Send the shared memory and done pipe to the worker; two round trips."""
@@ -559,6 +569,9 @@ class SubprocessLink:
         spaces: The single-env observation and action spaces.
         env_indices: Per worker, the vector's index of each env, by position (-1: none).
         worker_groups: The workers each collecting thread serves (one done pipe each).
+        shared_memory: None: shared memory when the space allows it; True: required
+            (TypeError, as AsyncVectorEnv raises it, for a space of dynamic shape); False:
+            observations are pickled.
     """
 
     def __init__(
@@ -567,12 +580,16 @@ class SubprocessLink:
         spaces: tuple[gym.Space[Any], gym.Space[Any]],
         env_indices: Sequence[Sequence[int]],
         worker_groups: Sequence[Sequence[int]],
+        shared_memory: bool | None = None,
     ) -> None:
         """Allocate the shared memory (for fixed-shape observations) and tell each handle."""
         observation_space, action_space = spaces
         num_envs = sum(sum(1 for i in indices if i >= 0) for indices in env_indices)
         self._shared: SharedBatch | None = None
-        if BatchLayout.supports(observation_space):
+        supported = BatchLayout.supports(observation_space)
+        if shared_memory and not supported:
+            _explain_no_shared_memory(observation_space)  # unless Gymnasium could share it
+        if supported and shared_memory is not False:
             self._shared = SharedBatch(observation_space, action_space, num_envs, worker_groups)
         self.has_shared_obs = self._shared is not None
         self._handles = list(handles)
@@ -677,6 +694,27 @@ class SubprocessLink:
             self._shared.close()
 
 
+def _explain_no_shared_memory(space: gym.Space[Any]) -> None:
+    """Raise what AsyncVectorEnv(shared_memory=True) raises for a space it cannot share.
+
+    A space Gymnasium can share but multienv's layout cannot (Text, OneOf) raises nothing:
+    its observations are pickled.
+    """
+    try:
+        create_shared_memory(space, n=1)
+    except CustomSpaceError as exc:
+        raise ValueError(
+            f"Using shared_memory=True with the custom space {space} caused an error; pass "
+            "shared_memory=False or leave it None (the observations are then pickled)."
+        ) from exc
+    except TypeError as exc:
+        raise TypeError(
+            f"{space} has a dynamic shape so its not possible to make a static shared memory. "
+            "Pass shared_memory=False or leave it None."
+        ) from exc
+    # Gymnasium lays it out in shared memory (Text, OneOf); multienv pickles it instead.
+
+
 def _poll_ms(deadline: float | None, now: float) -> int | None:
     """The ``poll()`` timeout that ends at ``deadline`` (monotonic seconds); None waits forever."""
     return None if deadline is None else max(0, math.ceil((deadline - now) * 1000))
@@ -740,6 +778,8 @@ class SubprocessEnv(RemoteEnv):
             and a respawn does not import them again. The forkserver starts once per
             process, so pass it to the first env a process starts; later ones log a warning.
             Other start methods ignore it.
+        daemon: Start the worker as a daemon process (default). ``False`` lets env code
+            start processes of its own; the worker still exits when this process dies.
     """
 
     def __init__(
@@ -755,6 +795,7 @@ class SubprocessEnv(RemoteEnv):
         close_timeout_s: float = 5.0,
         env_index: int = 0,
         preload: Sequence[str] = (),
+        daemon: bool = True,
     ) -> None:
         """Check the options and pickle ``env_fn``; no process is started yet."""
         supervisor = _supervise(
@@ -768,6 +809,7 @@ class SubprocessEnv(RemoteEnv):
             restart_on_error=restart_on_error,
             close_timeout_s=close_timeout_s,
             preload=preload,
+            daemon=daemon,
         )
         super().__init__(supervisor, 0)
 
@@ -784,6 +826,7 @@ def _supervise(
     restart_on_error: bool = False,
     close_timeout_s: float = 5.0,
     preload: Sequence[str] = (),
+    daemon: bool = True,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one worker's handle and supervisor."""
     check_timeouts(
@@ -798,7 +841,7 @@ def _supervise(
         for env_fn, env_index in zip(env_fns, env_indices, strict=True)
     ]
     resolved = resolve_context(context, _checked_preload(preload, first_env_index))
-    handle = ProcessHandle(resolved, env_fn_bytes, first_env_index)
+    handle = ProcessHandle(resolved, env_fn_bytes, first_env_index, daemon)
     return WorkerSupervisor(
         handle,
         env_indices,

@@ -25,6 +25,7 @@ import gymnasium as gym
 import numpy as np
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.vec_env import VecMonitor
 
 from multienv import MultiEnv, RestartPolicy, evaluate
 from multienv.sb3 import MultiEnvVecEnv
@@ -42,7 +43,7 @@ class Chaos(BaseCallback):
     def _on_step(self) -> bool:
         if self.every and self.num_timesteps >= self.next_kill:
             self.next_kill += self.every
-            envs = self.training_env.envs
+            envs = self.training_env.unwrapped.envs
             victim = envs[int(self.rng.integers(len(envs)))]
             if victim.pid is not None:
                 try:
@@ -73,7 +74,7 @@ def main() -> int:
 
     make = functools.partial(gym.make, "CartPole-v1")
     policy = RestartPolicy(max_restarts=100_000 if args.chaos_kill_every else 5, window_s=60.0)
-    env = MultiEnvVecEnv([make] * 8, restart_policy=policy)
+    env = VecMonitor(MultiEnvVecEnv([make] * 8, restart_policy=policy))
     env.seed(args.seed)
     began = time.monotonic()
     try:
@@ -93,7 +94,7 @@ def main() -> int:
         )
         chaos = Chaos(args.chaos_kill_every, args.seed + 1)
         model.learn(total_timesteps=args.total_timesteps, callback=chaos)
-        restarts = sum(row["restarts"] for row in env.stats())
+        restarts = sum(row["restarts"] for row in env.unwrapped.stats())
     finally:
         env.close()
     with MultiEnv([make] * 4) as test_envs:

@@ -435,3 +435,36 @@ class OptionsEcho(CountingEnv):
     def reset(self, *, seed=None, options=None):
         obs, _ = super().reset(seed=seed)
         return obs, {"a": -1 if options is None else options.get("a", -1)}
+
+
+class RaiseOnReset(CountingEnv):
+    """Raises ValueError in every reset after the first ``ok`` ones."""
+
+    def __init__(self, ok: int = 0) -> None:
+        super().__init__()
+        self.ok = ok
+
+    def reset(self, *, seed=None, options=None):
+        if self.ok <= 0:
+            raise ValueError("reset boom")
+        self.ok -= 1
+        return super().reset(seed=seed, options=options)
+
+
+class WideObsEnv(CountingEnv):
+    """A CountingEnv whose observation bounds are wider: same shape, another space."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observation_space = gym.spaces.Box(0, 2000, shape=(1,), dtype=np.float32)
+
+
+class SequenceObsEnv(CountingEnv):
+    """A Sequence observation space: dynamic shape, which no shared memory can hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observation_space = gym.spaces.Sequence(gym.spaces.Discrete(4))
+
+    def _obs(self):
+        return (1,) * self.count

@@ -117,7 +117,7 @@ def test_step_async_and_step_wait():
         obs, rewards, *_ = envs.step_wait(timeout=10)
         assert obs[:, 0].tolist() == [1.0, 1.0]
         assert rewards.tolist() == [1.0, 0.0]
-        with pytest.raises(EnvStateError, match="without a pending"):
+        with pytest.raises(EnvStateError, match="without any prior call to `step_async`"):
             envs.step_wait()
 
 
