@@ -208,20 +208,20 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         first = proxies[0]
         mode = self.observation_mode
         for env_index, proxy in enumerate(proxies):
+            space = proxy.observation_space
+            if mode == "same" and space != first.observation_space:
+                raise SpaceMismatchError(
+                    f"env {env_index}: observation_space {space!r} differs from env 0's "
+                    f"{first.observation_space!r}: the sub-environments observation spaces are "
+                    "not equivalent. MultiEnv(..., observation_mode='same') needs them equal. If "
+                    "this is intentional, use `observation_mode='different'` instead.",
+                    env_index=env_index,
+                )
             if proxy.action_space != first.action_space:
                 raise SpaceMismatchError(
                     f"env {env_index}: action_space {proxy.action_space!r} differs from env 0's "
                     f"{first.action_space!r}; all envs of a MultiEnv must have the same action "
                     "space.",
-                    env_index=env_index,
-                )
-            space = proxy.observation_space
-            if mode == "same" and space != first.observation_space:
-                raise SpaceMismatchError(
-                    "MultiEnv(..., observation_mode='same') however the sub-environments "
-                    f"observation spaces are not equivalent. env {env_index}: {space!r}, env 0: "
-                    f"{first.observation_space!r}. If this is intentional, use "
-                    "`observation_mode='different'` instead.",
                     env_index=env_index,
                 )
             single = mode[1] if isinstance(mode, tuple) else first.observation_space
