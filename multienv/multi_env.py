@@ -893,17 +893,28 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         return outcome
 
     def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
+        """One seed per env (Python ints: numpy integers are converted), checked."""
         if seed is None:
             return [None] * self.num_envs
         if isinstance(seed, int | np.integer):
             return [int(seed) + i for i in range(self.num_envs)]
+        if isinstance(seed, str | bytes) or not isinstance(seed, Sequence | np.ndarray):
+            raise TypeError(
+                f"reset() seed must be None, an int or one seed per env, got {type(seed).__name__}."
+            )
         seeds = list(seed)
         if len(seeds) != self.num_envs:
             raise ValueError(
                 f"reset() got {len(seeds)} seeds for {self.num_envs} envs; pass one seed per "
                 "env, a single int, or None."
             )
-        return seeds
+        for env_index, item in enumerate(seeds):
+            if item is not None and not isinstance(item, int | np.integer):
+                raise TypeError(
+                    f"env {env_index}: reset() seed must be an int or None, got "
+                    f"{type(item).__name__}."
+                )
+        return [None if item is None else int(item) for item in seeds]
 
     def _options_per_env(self, options: Any) -> list[Any]:
         """Each env's reset options, then the reset mask last (None: every env)."""
@@ -992,9 +1003,20 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         n, space = len(ids), self.single_action_space
         if not isinstance(space, _ARRAY_ACTION_SPACES):
             batch_space_n = self.action_space if n == self.num_envs else batch_space(space, n)
-            per_env = list(iterate(batch_space_n, actions))
+            try:
+                per_env = list(iterate(batch_space_n, actions))
+            except Exception as exc:  # whatever iterate makes of a bad batch
+                raise TypeError(
+                    f"expected a batch of {n} actions in {batch_space_n!r}; iterating it "
+                    f"raised {type(exc).__name__}: {exc}"
+                ) from exc
             if len(per_env) != n:
                 raise ValueError(f"expected {n} actions (one per env), got {len(per_env)}.")
+            for position, action in enumerate(per_env):
+                if not space.contains(action):
+                    raise ValueError(
+                        f"env {ids[position]}: action {action!r} is outside {space!r}."
+                    )
             return per_env
         if isinstance(actions, np.ndarray) and actions.shape == (n, *(space.shape or ())):
             batch = actions  # the usual case; the checks below only name what is wrong
@@ -1005,6 +1027,18 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             np.issubdtype(batch.dtype, np.integer)
         ):
             raise ValueError(f"expected integer actions for {space!r}, got dtype {batch.dtype}.")
+        if isinstance(space, gym.spaces.Discrete):
+            low, high = space.start, space.start + space.n
+        elif isinstance(space, gym.spaces.MultiDiscrete):
+            low, high = space.start, space.start + space.nvec
+        else:
+            return batch
+        outside = (batch < low) | (batch >= high)
+        if outside.any():
+            item = int(np.flatnonzero(outside.reshape(n, -1).any(axis=1))[0])
+            raise ValueError(
+                f"env {ids[item]}: action {batch[item].tolist()} is outside {space!r}."
+            )
         return batch
 
     def _check_action_shapes(self, actions: Any, env_ids: list[int]) -> None:

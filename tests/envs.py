@@ -468,3 +468,17 @@ class SequenceObsEnv(CountingEnv):
 
     def _obs(self):
         return (1,) * self.count
+
+
+class DictActionEnv(CountingEnv):
+    """Dict actions: {"a": Discrete(3), "b": Box(-1, 1, (2,))}; the reward is a + b[0]."""
+
+    def __init__(self) -> None:
+        super().__init__(episode_length=7)
+        self.action_space = gym.spaces.Dict(
+            {"a": gym.spaces.Discrete(3), "b": gym.spaces.Box(-1, 1, shape=(2,), dtype=np.float32)}
+        )
+
+    def step(self, action):
+        obs, _, terminated, truncated, info = super().step(1)
+        return obs, float(action["a"]) + float(action["b"][0]), terminated, truncated, info
