@@ -165,12 +165,18 @@ def nstep_returns(
     final_values: np.ndarray,
     bootstrap_values: np.ndarray,
     gamma: float,
+    crashed: np.ndarray | None = None,
 ) -> np.ndarray:
     """n-step discounted returns of a rollout, arrays shaped (n_steps, num_envs).
 
     At a termination the return is the reward alone. At a truncation it bootstraps from
     ``final_values`` (the value of the episode's final observation); the episode does not
     continue into the next one. After the last step it bootstraps from ``bootstrap_values``.
+
+    A step where a worker crashed (``crashed``) did not happen: the env was cut off before
+    acting, at the observation the step started from, whose value ``final_values`` holds.
+    Its return is that value itself (no reward, no discount), so the step before it
+    bootstraps from it and the crashed step's own advantage is zero.
     """
     returns = np.zeros_like(rewards, dtype=np.float64)
     following = bootstrap_values.astype(np.float64)
@@ -178,6 +184,8 @@ def nstep_returns(
         following = np.where(truncations[t], final_values[t], following)
         following = np.where(terminations[t], 0.0, following)
         returns[t] = rewards[t] + gamma * following
+        if crashed is not None:
+            returns[t] = np.where(crashed[t], final_values[t], returns[t])
         following = returns[t]
     return returns
 
@@ -383,6 +391,7 @@ class Rollout:
     truncations: np.ndarray
     final_values: np.ndarray  # value of the final observation, where an episode was truncated
     bootstrap: np.ndarray  # (num_envs,) value of the observation after the last step
+    crashed: np.ndarray  # (n_steps, num_envs) the step was a worker crash's truncation
 
 
 def collect_rollout(
@@ -409,6 +418,7 @@ def collect_rollout(
         np.zeros(shape, bool),
         np.zeros(shape),
         np.zeros(num_envs),
+        np.zeros(shape, bool),
     )
     for t in range(n_steps):
         chaos.maybe_kill()
@@ -426,6 +436,7 @@ def collect_rollout(
         recorder.add_steps(num_envs)
         episode_returns += rewards
         crashed = infos["_multienv"] if "multienv" in infos else np.zeros(num_envs, bool)
+        rollout.crashed[t] = crashed
         for i in np.flatnonzero(truncations & ~terminations):
             final_obs = np.asarray(infos["final_obs"][i], dtype=np.float64).reshape(1, -1)
             rollout.final_values[t, i] = critic.forward(final_obs)[0][0, 0]
@@ -439,7 +450,7 @@ def collect_rollout(
 def rollout_gradients(
     actor: MLP, critic: MLP, rollout: Rollout, args: Args
 ) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, float]]:
-    """n-step returns of a rollout, then the A2C gradients on it."""
+    """n-step returns of a rollout, then the A2C gradients on its steps that happened."""
     returns = nstep_returns(
         rollout.rewards,
         rollout.terminations,
@@ -447,14 +458,16 @@ def rollout_gradients(
         rollout.final_values,
         rollout.bootstrap,
         args.gamma,
+        rollout.crashed,
     )
     obs_dim = rollout.obs.shape[-1]
+    real = ~rollout.crashed.reshape(-1)  # a crashed step taught nothing: leave it out
     return a2c_gradients(
         actor,
         critic,
-        rollout.obs.reshape(-1, obs_dim),
-        rollout.actions.reshape(-1),
-        returns.reshape(-1),
+        rollout.obs.reshape(-1, obs_dim)[real],
+        rollout.actions.reshape(-1)[real],
+        returns.reshape(-1)[real],
         args.ent_coef,
     )
 

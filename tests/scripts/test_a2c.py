@@ -42,6 +42,19 @@ def test_nstep_returns_bootstrap_only_where_the_episode_was_cut_off():
     assert returns[:, 1].tolist() == [1.0 + 0.5 * 5.0, 1.0 + 0.5 * 8.0, 1.0 + 0.5 * 2.0]
 
 
+def test_a_crashed_step_returns_its_starting_value_and_the_step_before_bootstraps_from_it():
+    gamma = 0.5
+    rewards = np.array([[1.0], [0.0], [1.0]])  # t=1: the worker died; multienv says reward 0
+    truncations = np.array([[False], [True], [False]])
+    final_values = np.array([[0.0], [6.0], [0.0]])  # V of the obs t=1 started from
+    crashed = np.array([[False], [True], [False]])
+    returns = a2c.nstep_returns(
+        rewards, np.zeros((3, 1), bool), truncations, final_values, np.array([4.0]), gamma, crashed
+    )
+    # t=1 did not happen: its return is V(obs_1) itself, not 0 + gamma * V(obs_1).
+    assert returns[:, 0].tolist() == [1.0 + 0.5 * 6.0, 6.0, 1.0 + 0.5 * 4.0]
+
+
 def test_nstep_returns_without_episode_end_discount_the_bootstrap():
     returns = a2c.nstep_returns(
         np.ones((2, 1)),
