@@ -34,6 +34,7 @@ from tests.envs import (
     RaiseOnStep,
     SegfaultEveryStep,
     SegfaultOnceOnStep,
+    SleepyEnv,
     SlowReset,
     TextObsEnv,
 )
@@ -289,7 +290,8 @@ def test_close_is_bounded_and_leaves_no_process_fd_or_shared_memory(layout):
 
 @pytest.mark.fault
 def test_worker_mates_not_in_flight_when_it_dies_get_a_flagged_truncation_without_a_step():
-    with MultiEnv([CountingEnv] * 3, envs_per_worker=3) as envs:
+    # Steps of 0.2 s, so that the kill lands while env 0's step is in flight.
+    with MultiEnv([functools.partial(SleepyEnv, 0.2)] * 3, envs_per_worker=3) as envs:
         envs.reset()
         envs.step(np.ones(3, dtype=np.int64))
         old_pid = envs.envs[0].pid
