@@ -28,7 +28,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 
-from multienv.factory import check_timeouts, create_envs, pickle_env_fn
+from multienv.factory import create_envs, supervise
 from multienv.protocol import (
     Batch,
     BatchResult,
@@ -469,28 +469,17 @@ def _supervise(
     close_timeout_s: float = 5.0,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one actor's handle and supervisor."""
-    check_timeouts(
-        first_env_index,
-        step_timeout=step_timeout,
-        reset_timeout=reset_timeout,
-        init_timeout=init_timeout,
-    )
     options = ray_options if ray_options is not None else RayOptions()
     if not isinstance(options, RayOptions):
         raise TypeError(
             f"env {first_env_index}: ray_options must be a multienv.RayOptions, "
             f"got {type(options).__name__}"
         )
-    env_indices = list(range(first_env_index, first_env_index + len(env_fns)))
-    env_fn_bytes = [
-        pickle_env_fn(env_fn, env_index)
-        for env_fn, env_index in zip(env_fns, env_indices, strict=True)
-    ]
-    handle = ActorHandle(env_fn_bytes, first_env_index, options)
-    return WorkerSupervisor(
-        handle,
-        env_indices,
-        restart_policy=restart_policy if restart_policy is not None else RestartPolicy(),
+    return supervise(
+        env_fns,
+        first_env_index,
+        lambda env_fn_bytes: ActorHandle(env_fn_bytes, first_env_index, options),
+        restart_policy=restart_policy,
         step_timeout=step_timeout,
         reset_timeout=reset_timeout,
         init_timeout=init_timeout,

@@ -38,7 +38,7 @@ import numpy as np
 from gymnasium.error import ClosedEnvironmentError, CustomSpaceError
 from gymnasium.vector.utils import create_shared_memory
 
-from multienv.factory import check_timeouts, create_envs, pickle_env_fn
+from multienv.factory import create_envs, supervise
 from multienv.forkserver import forkserver_context
 from multienv.protocol import (
     DONE_OK,
@@ -829,23 +829,18 @@ def _supervise(
     daemon: bool = True,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one worker's handle and supervisor."""
-    check_timeouts(
+    preload_names = _checked_preload(preload, first_env_index)
+
+    def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
+        # After the options are checked and the factories pickled: may start the forkserver.
+        resolved = resolve_context(context, preload_names)
+        return ProcessHandle(resolved, env_fn_bytes, first_env_index, daemon)
+
+    return supervise(
+        env_fns,
         first_env_index,
-        step_timeout=step_timeout,
-        reset_timeout=reset_timeout,
-        init_timeout=init_timeout,
-    )
-    env_indices = list(range(first_env_index, first_env_index + len(env_fns)))
-    env_fn_bytes = [
-        pickle_env_fn(env_fn, env_index)
-        for env_fn, env_index in zip(env_fns, env_indices, strict=True)
-    ]
-    resolved = resolve_context(context, _checked_preload(preload, first_env_index))
-    handle = ProcessHandle(resolved, env_fn_bytes, first_env_index, daemon)
-    return WorkerSupervisor(
-        handle,
-        env_indices,
-        restart_policy=restart_policy if restart_policy is not None else RestartPolicy(),
+        make_handle,
+        restart_policy=restart_policy,
         step_timeout=step_timeout,
         reset_timeout=reset_timeout,
         init_timeout=init_timeout,
