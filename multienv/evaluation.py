@@ -68,6 +68,15 @@ def evaluate(
 
     Raises:
         ValueError: ``num_episodes`` < 1 or ``max_steps`` < 1.
+
+    Example:
+        >>> import gymnasium as gym
+        >>> import numpy as np
+        >>> envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 3)
+        >>> result = evaluate(envs, lambda obs: np.zeros(len(obs), dtype=np.int64), 5, seed=0)
+        >>> len(result.returns), np.bincount(result.env_ids).tolist()
+        (5, [1, 2, 2])
+        >>> envs.close()
     """
     if num_episodes < 1:
         raise ValueError(f"evaluate() needs num_episodes >= 1, got {num_episodes}.")

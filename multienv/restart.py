@@ -22,6 +22,17 @@ class RestartPolicy:
         window_s: Length of the sliding window, in seconds.
         backoff: Base delay in seconds before the second and later respawns in a window.
         max_backoff_s: Upper bound on one delay, in seconds.
+
+    Example:
+        >>> policy = RestartPolicy(max_restarts=3, window_s=60.0, backoff=0.1)
+        >>> policy.next_delay([], now=100.0)  # a worker that was working died: at once
+        0.0
+        >>> policy.next_delay([99.0], now=100.0, consecutive=2)  # a crash loop backs off
+        0.2
+        >>> print(policy.next_delay([70.0, 80.0, 90.0], now=100.0))  # 3 in 60 s: spent
+        None
+        >>> RestartPolicy.never().is_never
+        True
     """
 
     max_restarts: int = 5
