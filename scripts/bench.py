@@ -3,6 +3,7 @@
 Run:
     python scripts/bench.py              # 6 cells (workload:N), 3 rounds (~20 min on 2 cores)
     python scripts/bench.py --quick      # cheap N=16 only, 1 round (~2 min)
+    python scripts/bench.py --plot docs/bench.png   # chart the last run's bench-results.json
     pip install -e ".[bench]"            # adds SB3 to the comparison (install torch's CPU
                                          # build first on a machine without a GPU)
 
@@ -53,6 +54,7 @@ class Args:
     quick: bool = False  # cheap N=16 only, 1 round
     json_out: str = "bench-results.json"  # where every sample is written
     child: str = ""  # internal: run one fresh-process measurement and print it as JSON
+    plot: str = ""  # draw the throughput of json_out as a PNG at this path, and exit
 
 
 # ----------------------------------------------------------------- workloads
@@ -495,9 +497,37 @@ def in_fresh_process(args: Args, child: str) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def plot(results_path: str, png_path: str) -> None:
+    """A bar chart of env steps/s per implementation, one group per cell (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(results_path) as f:
+        cells = json.load(f)["throughput"]
+    names = list(next(iter(cells.values())))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cells) * len(names) / 4), 4.5))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        rates = [cells[cell].get(name, {}).get("steps_per_s", 0.0) for cell in cells]
+        ax.bar([i + k * width for i in range(len(cells))], rates, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], list(cells))
+    ax.set_yscale("log")
+    ax.set_ylabel("env steps per second (log)")
+    ax.set_title("python scripts/bench.py: median of rounds, 2 cores")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+
+
 def main(args: Args) -> int:
     if args.child:
         return run_child(args)
+    if args.plot:
+        plot(args.json_out, args.plot)
+        print(f"wrote {args.plot} from {args.json_out}")
+        return 0
     cells = args.cells.split(",")
     if args.quick:
         cells, args.rounds = ["cheap:16"], 1
