@@ -124,7 +124,7 @@ def test_bad_step_batch_input_raises_before_anything_is_sent():
 
 @pytest.mark.fault
 def test_a_worker_sigkilled_during_step_batch_is_replayed_to_the_undisturbed_result(tmp_path):
-    factory = functools.partial(SlowStepCartPole, 0.002)
+    factory = functools.partial(SlowStepCartPole, 0.005)  # a share lasts 0.3 s; the kill: 0.02 s
     with MultiEnv([factory] * N, envs_per_worker=2) as envs:
         envs.reset(seed=1)
         states = envs.get_states()
