@@ -351,15 +351,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         """
         self._check_idle("reset_async")
         make_batch, mask = self._prepare_reset(seed, options)
-        self._pending_reset = (
-            [
-                self._executor.submit(
-                    _run_slice, [self._workers[n] for n in part], part, make_batch
-                )
-                for part in self._slices
-            ],
-            mask,
-        )
+        self._pending_reset = (self._submit_slices(make_batch), mask)
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """Wait for the reset sent by ``reset_async()``.
@@ -379,16 +371,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 "Calling `reset_wait` without any prior call to `reset_async`.", "reset"
             )
         futures, mask = self._pending_reset
-        _done, not_done = wait_futures(futures, timeout)
-        if not_done:
-            raise WaitTimeoutError(
-                f"The call to `reset_wait` has timed out after {timeout} second(s); the reset "
-                "stays in flight: call reset_wait() again, or close()."
-            )
+        outcome = _collect_slices(futures, timeout, "reset")
         self._pending_reset = None
-        outcome: _SliceOutcome = {}
-        for future in futures:
-            outcome.update(future.result())
         return self._finish_reset(outcome, mask)
 
     def _prepare_reset(
@@ -454,10 +438,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         if self._is_limited():
             self._pending = [self._executor.submit(self._step_limited, make_batch)]
             return
-        self._pending = [
-            self._executor.submit(_run_slice, [self._workers[n] for n in part], part, make_batch)
-            for part in self._slices
-        ]
+        self._pending = self._submit_slices(make_batch)
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Wait for the step sent by ``step_async()``.
@@ -470,16 +451,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise NoPendingCallError(
                 "Calling `step_wait` without any prior call to `step_async`.", "step"
             )
-        _done, not_done = wait_futures(self._pending, timeout)
-        if not_done:
-            raise WaitTimeoutError(
-                f"step_wait() timed out after {timeout} s with {len(not_done)} of "
-                f"{len(self._pending)} slices still stepping; call step_wait() again, or close()."
-            )
-        futures, self._pending = self._pending, None
-        outcome: _SliceOutcome = {}
-        for future in futures:
-            outcome.update(future.result())
+        outcome = _collect_slices(self._pending, timeout, "step")
+        self._pending = None
         return self._finish_step(outcome)
 
     def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
@@ -1012,11 +985,6 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 ) from exc
             if len(per_env) != n:
                 raise ValueError(f"expected {n} actions (one per env), got {len(per_env)}.")
-            for position, action in enumerate(per_env):
-                if not space.contains(action):
-                    raise ValueError(
-                        f"env {ids[position]}: action {action!r} is outside {space!r}."
-                    )
             return per_env
         if isinstance(actions, np.ndarray) and actions.shape == (n, *(space.shape or ())):
             batch = actions  # the usual case; the checks below only name what is wrong
@@ -1027,18 +995,6 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             np.issubdtype(batch.dtype, np.integer)
         ):
             raise ValueError(f"expected integer actions for {space!r}, got dtype {batch.dtype}.")
-        if isinstance(space, gym.spaces.Discrete):
-            low, high = space.start, space.start + space.n
-        elif isinstance(space, gym.spaces.MultiDiscrete):
-            low, high = space.start, space.start + space.nvec
-        else:
-            return batch
-        outside = (batch < low) | (batch >= high)
-        if outside.any():
-            item = int(np.flatnonzero(outside.reshape(n, -1).any(axis=1))[0])
-            raise ValueError(
-                f"env {ids[item]}: action {batch[item].tolist()} is outside {space!r}."
-            )
         return batch
 
     def _check_action_shapes(self, actions: Any, env_ids: list[int]) -> None:
@@ -1144,6 +1100,16 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         )
         return deepcopy(self._observations) if self.copy else self._observations
 
+    def _submit_slices(
+        self, make_batch: Callable[[_Worker], Batch | StepPlan | None]
+    ) -> list[Future[_SliceOutcome]]:
+        """Run every slice of workers on the pool (``*_async``); ``_collect_slices`` waits."""
+        workers = self._workers
+        return [
+            self._executor.submit(_run_slice, [workers[n] for n in part], part, make_batch)
+            for part in self._slices
+        ]
+
     def _fan_out(
         self, numbers: Iterable[int], make_batch: Callable[[_Worker], Batch | StepPlan | None]
     ) -> list[Future[_SliceOutcome] | _SliceOutcome]:
@@ -1230,6 +1196,28 @@ def _submit(worker: _Worker, order: Batch | StepPlan | None) -> bool:
     else:
         worker.supervisor.submit(order)
     return True
+
+
+def _collect_slices(
+    futures: list[Future[_SliceOutcome]], timeout: float | None, name: str
+) -> _SliceOutcome:
+    """Wait for slices sent by ``step_async`` / ``reset_async``; on expiry they stay in flight.
+
+    Raises:
+        WaitTimeoutError: ``timeout`` passed first (both ``TimeoutError`` and
+            ``multiprocessing.TimeoutError``, as AsyncVectorEnv raises).
+    """
+    _done, not_done = wait_futures(futures, timeout)
+    if not_done:
+        raise WaitTimeoutError(
+            f"The call to `{name}_wait` has timed out after {timeout} second(s) with "
+            f"{len(not_done)} of {len(futures)} slices still running; call {name}_wait() "
+            "again, or close()."
+        )
+    outcome: _SliceOutcome = {}
+    for future in futures:
+        outcome.update(future.result())
+    return outcome
 
 
 def _run_slice(
