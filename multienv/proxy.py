@@ -55,6 +55,7 @@ from multienv.errors import (
     EnvStateError,
     env_error_class,
 )
+from multienv.log_limit import failure_log
 from multienv.protocol import (
     PLANNED_OK,
     Batch,
@@ -312,6 +313,7 @@ class WorkerSupervisor:
         self._last_obs: list[Any] = [None] * len(self.env_indices)  # when not in shared memory
         self._restart_times: list[float] = []
         self._consecutive_restarts = 0  # respawns since the last successful call
+        self._deaths = 0  # over the worker's whole life, for the failure log
         self._broken_error: EnvCrashedError | None = None
         self._is_closing = threading.Event()
         self.steps = np.zeros(len(self.env_indices), dtype=np.int64)  # per position
@@ -357,6 +359,7 @@ class WorkerSupervisor:
         self.handle.stop(self._close_timeout_s if timeout is None else timeout)
         self._pending = None
         self._set_state(EnvState.CLOSED)
+        failure_log.flush()  # the failures still counted, not yet told
 
     def join_link(self) -> None:
         """Give the worker what its vector's link shares (respawning it if it dies meanwhile)."""
@@ -754,16 +757,17 @@ class WorkerSupervisor:
             self._become_broken(pid, cause)
         self._restart_times = [*policy.recent(self._restart_times, now), now]
         self._consecutive_restarts += 1
+        self._deaths += 1
         for proxy in self.proxies:
             proxy.restarts += 1
-        logger.warning(
-            "%s: worker pid %s died (%s); respawning (%d/%d in %g s)",
-            self._envs_text(),
-            pid,
-            cause,
-            len(self._restart_times),
-            policy.max_restarts,
-            policy.window_s,
+        what = "timed out and was killed" if cause == "timeout" else f"died ({cause})"
+        failure_log.report(
+            env_index=self.env_indices[0],
+            failure_number=self._deaths,
+            cause=cause,
+            message=f"{self._envs_text()}: worker pid {pid} {what}; respawning "
+            f"({len(self._restart_times)}/{policy.max_restarts} in {policy.window_s:g} s)",
+            is_repeat_failure=self._consecutive_restarts > 1,
         )
         if delay and self._is_closing.wait(delay):
             raise ClosedEnvironmentError(f"{self._envs_text()}: closed during a respawn.")

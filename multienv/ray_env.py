@@ -320,7 +320,7 @@ class ActorHandle:
             raise ClosedEnvironmentError(f"env {self._env_index}: closed while a call was waiting.")
         self.in_flight = None
         if isinstance(value, Death) and value.cause == "timeout":
-            logger.warning(
+            logger.info(  # the supervisor logs the death at WARNING
                 "env %d: Ray actor pid %s timed out; killing it", self._env_index, self._pid
             )
             self.kill()

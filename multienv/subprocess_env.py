@@ -548,7 +548,7 @@ class ProcessHandle:
                 except _PIPE_ERRORS:
                     pass
             elif not fds:
-                logger.warning(
+                logger.info(  # the supervisor logs the death at WARNING
                     "env %d: worker pid %d timed out; killing it", self._env_index, process.pid
                 )
                 process.kill()

@@ -125,6 +125,24 @@ def test_step_timeout_kills_the_hung_worker_and_returns_truncation(caplog):
         proxy.close()
 
 
+def test_repeated_respawns_are_logged_three_times_then_summarized(caplog):
+    with caplog.at_level(logging.WARNING, logger="multienv"):
+        with MultiEnv([CountingEnv, CountingEnv], restart_policy=RestartPolicy(20)) as envs:
+            envs.reset(seed=0)
+            for _ in range(7):
+                os.kill(envs.envs[1].pid, signal.SIGKILL)
+                _obs, _rewards, _terminations, truncations, _infos = envs.step(np.array([1, 1]))
+                assert truncations.tolist() == [False, True]
+                envs.step(np.array([1, 1]))  # env 1's autoreset
+            one_by_one = [r.message for r in caplog.records if "died (SIGKILL)" in r.message]
+            assert len(one_by_one) == 3 and all(m.startswith("env 1:") for m in one_by_one)
+            assert any("later worker failures" in r.message for r in caplog.records)
+            assert not any("more worker failures" in r.message for r in caplog.records)
+        summaries = [r.message for r in caplog.records if "more worker failures" in r.message]
+    assert summaries and summaries[0].startswith("4 more worker failures")
+    assert "SIGKILL 4; envs 1" in summaries[0]
+
+
 def test_reset_timeout_kills_and_replays(tmp_path):
     proxy = ready(lambda: HangOnResetOnce(str(tmp_path / "m")), reset_timeout=0.5)
     try:

@@ -1,0 +1,150 @@
+"""PARENT SIDE: keeps repeated worker-failure WARNING lines from burying a long run's output.
+
+A chaos run, or a week-long run with a flaky env, respawns workers thousands of times; one
+WARNING line each would drown the program's own progress output. ``FailureLog`` logs the
+first ``first_per_env`` failures of each worker one by one (so the first failure of every env
+is always seen, with its cause), then counts the rest and logs one summary line, at most
+every ``summary_every_s`` seconds, with the counts by cause. A failure that follows another
+without a successful call in between (a crash loop forming) is always logged one by one,
+and the crash-loop error itself is logged at ERROR by the supervisor, never counted here.
+
+One ``FailureLog`` serves the whole parent process (``failure_log``); every supervisor and
+handle reports to it. It is pure apart from the logger, with the clock injected.
+
+Example:
+    >>> import logging
+    >>> now = [0.0]
+    >>> log = FailureLog(logging.getLogger("demo"), first_per_env=2, clock=lambda: now[0])
+    >>> def die(number):
+    ...     return log.report(env_index=0, failure_number=number, cause="SIGKILL", message="died")
+    >>> [die(number) for number in range(1, 5)]
+    [True, True, False, False]
+    >>> log.counts_by_cause()
+    {'SIGKILL': 2}
+    >>> now[0] = 61.0  # the next failure after a minute also logs the summary line
+    >>> die(5), log.counts_by_cause()
+    (True, {})
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+_FIRST_PER_ENV = 3
+_SUMMARY_EVERY_S = 60.0
+
+
+class FailureLog:
+    """Logs the first failures of each env, then one summary line per interval.
+
+    Args:
+        logger: Where the lines go (WARNING level).
+        first_per_env: Failures of one env logged one by one before counting starts.
+        summary_every_s: Least seconds between two summary lines.
+        clock: Monotonic clock, injected for tests.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        first_per_env: int = _FIRST_PER_ENV,
+        summary_every_s: float = _SUMMARY_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Create an empty log; the first summary interval starts now."""
+        self._logger = logger
+        self._first_per_env = first_per_env
+        self._summary_every_s = summary_every_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held: collections.Counter[str] = collections.Counter()  # by cause, not yet told
+        self._held_envs: set[int] = set()
+        self._since = clock()
+
+    def report(
+        self,
+        *,
+        env_index: int,
+        failure_number: int,
+        cause: str,
+        message: str,
+        is_repeat_failure: bool = False,
+    ) -> bool:
+        """Log one failure, or count it for the next summary line; True if a line was logged.
+
+        Args:
+            env_index: The first env of the failed worker, for the summary line.
+            failure_number: How many times this worker has failed, this time included.
+            cause: Short cause, e.g. ``"SIGKILL"`` or ``"timeout"``, for the summary counts.
+            message: The full line to log when this failure is logged one by one.
+            is_repeat_failure: The worker failed again before any call succeeded: always
+                logged, since it may be a crash loop forming.
+        """
+        with self._lock:
+            if is_repeat_failure or failure_number <= self._first_per_env:
+                self._logger.warning("%s", message)
+                if failure_number == self._first_per_env:
+                    self._logger.warning(
+                        "env %d: later worker failures of this env are counted and logged "
+                        "once every %g s (crash loops are always logged)",
+                        env_index,
+                        self._summary_every_s,
+                    )
+                self._summarize_if_due()
+                return True
+            self._held[cause] += 1
+            self._held_envs.add(env_index)
+            return self._summarize_if_due()
+
+    def counts_by_cause(self) -> dict[str, int]:
+        """Failures counted since the last summary line, by cause."""
+        with self._lock:
+            return dict(self._held)
+
+    def flush(self) -> None:
+        """Log the summary line now if any failure is waiting for one (e.g. at close)."""
+        with self._lock:
+            self._summarize()
+
+    def _summarize_if_due(self) -> bool:
+        if self._clock() - self._since < self._summary_every_s:
+            return False
+        return self._summarize()
+
+    def _summarize(self) -> bool:
+        now = self._clock()
+        if not self._held:
+            self._since = now
+            return False
+        by_cause = ", ".join(f"{cause} {count:,}" for cause, count in self._held.most_common())
+        envs = sorted(self._held_envs)
+        self._logger.warning(
+            "%s more worker failures in the last %.0f s, each respawned: %s; envs %s",
+            f"{sum(self._held.values()):,}",
+            now - self._since,
+            by_cause,
+            _ranges(envs),
+        )
+        self._held.clear()
+        self._held_envs.clear()
+        self._since = now
+        return True
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+failure_log = FailureLog(logging.getLogger("multienv"))
