@@ -64,6 +64,7 @@ class FailureLog:
         self._lock = threading.Lock()
         self._held: collections.Counter[str] = collections.Counter()  # by cause, not yet told
         self._held_envs: set[int] = set()
+        self._has_told_counting = False  # the line saying counting has begun, once
         self._since = clock()
 
     def report(
@@ -88,11 +89,14 @@ class FailureLog:
         with self._lock:
             if is_repeat_failure or failure_number <= self._first_per_env:
                 self._logger.warning("%s", message)
-                if failure_number == self._first_per_env:
+                if failure_number == self._first_per_env and not self._has_told_counting:
+                    self._has_told_counting = True
                     self._logger.warning(
-                        "env %d: later worker failures of this env are counted and logged "
-                        "once every %g s (crash loops are always logged)",
+                        "env %d: this worker's later failures, and those of any worker past "
+                        "its first %d, are counted and logged once every %g s (crash loops are "
+                        "always logged)",
                         env_index,
+                        self._first_per_env,
                         self._summary_every_s,
                     )
                 self._summarize_if_due()

@@ -231,8 +231,8 @@ def a2c_gradients(
 class Recorder:
     """Counts env steps and episode returns (thread-safe), prints progress, writes outputs."""
 
-    def __init__(self, args: Args, out_dir: pathlib.Path) -> None:
-        self.args, self.out_dir = args, out_dir
+    def __init__(self, args: Args, out_dir: pathlib.Path, algorithm: str) -> None:
+        self.args, self.out_dir, self.algorithm = args, out_dir, algorithm
         self.env_steps = 0
         self.rows: list[dict[str, Any]] = []
         self.recent: deque[float] = deque(maxlen=args.window)
@@ -328,26 +328,65 @@ class Recorder:
                 file=sys.stderr,
             )
             return
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        steps = [r["env_steps"] for r in self.rows]
-        returns = [r["return"] for r in self.rows]
-        ax.plot(steps, returns, ".", ms=3, alpha=0.35, label="episode return")
-        if len(returns) >= self.args.window:
-            kernel = np.ones(self.args.window) / self.args.window
+        self.plot(plt)
+
+    def plot(self, plt: Any) -> None:
+        """Draw curve.png: the metric the run stops on, crash-cut episodes apart, kills below.
+
+        The line is the stopping metric itself, the mean of the last ``window`` complete
+        episodes. Episodes a crash cut short are grey crosses, outside that mean; kills are
+        counted per bin on a small second panel, so thousands of them hide nothing.
+        """
+        window = self.args.window
+        complete = [r for r in self.rows if not r["ended_by_crash"]]
+        cut = [r for r in self.rows if r["ended_by_crash"]]
+        has_kills = bool(self.kill_steps)
+        fig, axes = plt.subplots(
+            2 if has_kills else 1,
+            1,
+            figsize=(8, 5.5 if has_kills else 4.5),
+            sharex=True,
+            squeeze=False,
+            gridspec_kw={"height_ratios": [4, 1]} if has_kills else None,
+        )
+        ax = axes[0][0]
+        ax.plot(
+            [r["env_steps"] for r in complete],
+            [r["return"] for r in complete],
+            ".",
+            ms=3,
+            alpha=0.35,
+            label="complete episode",
+        )
+        if cut:
             ax.plot(
-                steps[self.args.window - 1 :],
-                np.convolve(returns, kernel, "valid"),
-                label=f"mean of last {self.args.window}",
+                [r["env_steps"] for r in cut],
+                [r["return"] for r in cut],
+                "x",
+                ms=2.5,
+                color="gray",
+                alpha=0.3,
+                label=f"cut short by a kill ({len(cut):,})",
             )
-        for i, step in enumerate(self.kill_steps):
-            ax.axvline(
-                step, color="red", alpha=0.25, lw=0.8, label="worker SIGKILLed" if i == 0 else None
+        if len(complete) >= window:
+            returns = [r["return"] for r in complete]
+            ax.plot(
+                [r["env_steps"] for r in complete[window - 1 :]],
+                np.convolve(returns, np.ones(window) / window, "valid"),
+                color="C1",
+                label=f"mean of last {window} complete (the stopping metric)",
             )
         ax.axhline(self.args.target_return, color="gray", ls="--", lw=0.8, label="target")
-        ax.set_xlabel("env steps")
         ax.set_ylabel("return")
-        ax.set_title(f"A2C on {self.args.env_id}, {self.args.num_envs} subprocess envs")
-        ax.legend(loc="lower right")
+        ax.set_title(f"{self.algorithm} on {self.args.env_id}, {self.args.num_envs} envs ({self.args.backend})")
+        ax.legend(loc="best", fontsize="small")
+        if has_kills:
+            kills_ax = axes[1][0]
+            width = float(f"{max(self.env_steps, 60) / 60:.0e}")  # about 60 bins, round width
+            bins = np.arange(0, self.env_steps + width, width)
+            kills_ax.hist(self.kill_steps, bins=bins, color="C3", alpha=0.7)
+            kills_ax.set_ylabel(f"workers killed\nper {width:,.0f} steps", fontsize="small")
+        axes[-1][0].set_xlabel("env steps")
         fig.tight_layout()
         fig.savefig(self.out_dir / "curve.png", dpi=110)
         plt.close(fig)
@@ -506,7 +545,7 @@ def make_out_dir(args: Args, name: str) -> pathlib.Path:
 
 def main(args: Args) -> int:
     logging.basicConfig(level=logging.WARNING, format="\n%(levelname)s %(name)s: %(message)s")
-    recorder = Recorder(args, make_out_dir(args, "a2c"))
+    recorder = Recorder(args, make_out_dir(args, "a2c"), "A2C")
 
     # Setup
     envs = MultiEnv(

@@ -86,7 +86,7 @@ def learner(
 def main(args: A3CArgs) -> int:
     logging.basicConfig(level=logging.WARNING, format="\n%(levelname)s %(name)s: %(message)s")
     args.num_envs = args.learners * args.envs_per_learner
-    recorder = Recorder(args, make_out_dir(args, "a3c"))
+    recorder = Recorder(args, make_out_dir(args, "a3c"), "A3C")
 
     # Setup
     groups = [

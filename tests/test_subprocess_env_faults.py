@@ -136,7 +136,7 @@ def test_repeated_respawns_are_logged_three_times_then_summarized(caplog):
                 envs.step(np.array([1, 1]))  # env 1's autoreset
             one_by_one = [r.message for r in caplog.records if "died (SIGKILL)" in r.message]
             assert len(one_by_one) == 3 and all(m.startswith("env 1:") for m in one_by_one)
-            assert any("later worker failures" in r.message for r in caplog.records)
+            assert any("later failures" in r.message for r in caplog.records)
             assert not any("more worker failures" in r.message for r in caplog.records)
         summaries = [r.message for r in caplog.records if "more worker failures" in r.message]
     assert summaries and summaries[0].startswith("4 more worker failures")
