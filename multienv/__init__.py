@@ -15,6 +15,7 @@ from multienv.multi_env import MultiEnv
 from multienv.protocol import EnvSnapshot, RemoteTraceback
 from multienv.proxy import EnvState
 from multienv.ray_env import RayEnv, RayOptions, create_ray_envs
+from multienv.recycle import RecyclePolicy
 from multienv.registration import make_vec
 from multienv.restart import RestartPolicy
 from multienv.subprocess_env import SubprocessEnv, create_subprocess_envs
@@ -33,6 +34,7 @@ __all__ = [
     "MultiEnvError",
     "RayEnv",
     "RayOptions",
+    "RecyclePolicy",
     "RemoteTraceback",
     "RestartPolicy",
     "SubprocessEnv",

@@ -132,8 +132,9 @@ def evaluate(
 
 
 def _crash_flags(infos: dict[str, Any], n: int) -> np.ndarray:
-    """Which envs' step was a worker crash's truncation (``info["multienv"]``)."""
-    if "multienv" not in infos:
-        return np.zeros(n, dtype=np.bool_)
-    mask = infos.get("_multienv")
-    return np.asarray(mask, dtype=np.bool_) if mask is not None else np.ones(n, dtype=np.bool_)
+    """Which envs' step was a worker crash's truncation (``info["multienv"]["restarted"]``).
+
+    A recycled worker's reset also carries ``info["multienv"]``, without ``restarted``.
+    """
+    mask = infos.get("multienv", {}).get("_restarted")
+    return np.zeros(n, dtype=np.bool_) if mask is None else np.asarray(mask, dtype=np.bool_)

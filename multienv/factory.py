@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import cloudpickle
 
 from multienv.proxy import RemoteEnv, WorkerHandle, WorkerSupervisor
+from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def supervise(
     reset_timeout: float | None,
     init_timeout: float | None,
     restart_on_error: bool,
+    recycle: RecyclePolicy | None = None,
     close_timeout_s: float,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories, and build one worker's supervisor.
@@ -69,6 +71,7 @@ def supervise(
         reset_timeout: See ``WorkerSupervisor``.
         init_timeout: See ``WorkerSupervisor``.
         restart_on_error: See ``WorkerSupervisor``.
+        recycle: See ``WorkerSupervisor``.
         close_timeout_s: See ``WorkerSupervisor``.
     """
     check_timeouts(
@@ -90,6 +93,7 @@ def supervise(
         reset_timeout=reset_timeout,
         init_timeout=init_timeout,
         restart_on_error=restart_on_error,
+        recycle=recycle,
         close_timeout_s=close_timeout_s,
     )
 

@@ -686,7 +686,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         return self._workers
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per env: steps, episodes, restarts, last failure cause, step latency p50/p99 (s).
+        """Per env: steps, episodes, restarts, recycles, last failure cause, latency p50/p99 (s).
 
         The latency is the round trip of the step's batch to the env's worker.
         """
@@ -700,6 +700,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     "steps": proxy.steps,
                     "episodes": proxy.episodes,
                     "restarts": proxy.restarts,
+                    "recycles": proxy.recycles,
                     "last_failure": proxy.last_failure,
                     "step_latency_p50_s": float(p50),
                     "step_latency_p99_s": float(p99),

@@ -70,6 +70,7 @@ from multienv.protocol import (
     Request,
     StepPlan,
 )
+from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,15 @@ class WorkerHandle(Protocol):
 
     def stop(self, timeout_s: float) -> None:
         """Ask the worker to close its envs and exit; kill it after ``timeout_s``. Idempotent."""
+
+    def prestart(self) -> None:
+        """Start a standby worker, which the next ``spawn()`` takes over; idempotent."""
+
+    def retire(self) -> None:
+        """Ask the current worker to close its envs and exit, without waiting for it."""
+
+    def rss_mb(self) -> float | None:
+        """Resident memory of the current worker in MiB; None if it cannot be read."""
 
     def stderr_tail(self) -> tuple[str, ...]:
         """The last lines the current (or last) worker wrote to stderr."""
@@ -280,6 +290,8 @@ class WorkerSupervisor:
         init_timeout: Seconds the worker may take to build its envs.
         restart_on_error: Treat an exception raised by env code as a death.
         close_timeout_s: Seconds ``close()`` waits for the worker to exit before killing it.
+        recycle: When to replace the worker by a fresh one at an episode boundary, and when
+            to kill it for its memory; None never recycles.
     """
 
     def __init__(
@@ -293,6 +305,7 @@ class WorkerSupervisor:
         init_timeout: float | None,
         restart_on_error: bool,
         close_timeout_s: float,
+        recycle: RecyclePolicy | None = None,
     ) -> None:
         """Create the supervisor; no worker is started yet."""
         self.handle = handle
@@ -319,6 +332,14 @@ class WorkerSupervisor:
         self.steps = np.zeros(len(self.env_indices), dtype=np.int64)  # per position
         self.episodes = np.zeros(len(self.env_indices), dtype=np.int64)
         self.step_latencies_s: deque[float] = deque(maxlen=1000)  # of the worker's batches
+        self._recycle = recycle
+        self.recycles = 0  # workers replaced at a boundary (each of its envs counts them)
+        self._recycle_reason: str | None = None  # the limit the worker has reached
+        self._recycled: dict[int, str] = {}  # positions whose next reset a recycle started
+        self._is_holding_autoreset = False  # the batch in flight was sent without it
+        self._born_at = (0, 0)  # the steps and episodes counted when the worker started
+        self._rss_mb: float | None = None
+        self._next_rss_check = 0.0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -406,6 +427,8 @@ class WorkerSupervisor:
             self.require(EnvState.READY, "step", first)
         if self._pending is not None:
             self._discard_pending()
+        if self._recycle is not None:
+            batch = self._recycle_before(batch)
         lost: dict[int, str] = {}
         sent, sent_items = batch, None
         if self._lost:
@@ -429,7 +452,12 @@ class WorkerSupervisor:
         Falls back to ``submit()`` of the same envs when the worker has anything unusual to
         sort out first (a call in flight, envs that lost their episode, not ready).
         """
-        if self._state is not EnvState.READY or self._pending is not None or self._lost:
+        if (
+            self._state is not EnvState.READY
+            or self._pending is not None
+            or self._lost
+            or (self._recycle is not None and self._watch_recycle())
+        ):
             self.submit(plan.batch(env_slice))
             return
         deadline = None
@@ -490,6 +518,8 @@ class WorkerSupervisor:
             for item, cause in pending.lost.items():
                 self._truncate(result, batch, item, cause)
         self._note(batch, result, time.perf_counter() - pending.sent_at, pending.lost)
+        if self._recycle is not None:
+            self._recycle_after(batch, result)
         failed = [item for item, extra in result.extras.items() if extra.failure is not None]
         if not failed:
             self._consecutive_restarts = 0
@@ -690,6 +720,117 @@ class WorkerSupervisor:
             errors = {resets[item]: error for item, error in replay_errors.items()}
         return result, errors
 
+    # ----------------------------------------------------------------- recycling
+
+    def _watch_recycle(self) -> bool:
+        """Read the worker's memory when due and check its budgets; True if action is due."""
+        policy = self._recycle
+        assert policy is not None
+        if policy.reads_memory and time.monotonic() >= self._next_rss_check:
+            self._next_rss_check = time.monotonic() + policy.check_every_s
+            self._rss_mb = self.handle.rss_mb()
+        if self._recycle_reason is not None or policy.is_over_hard_cap(self._rss_mb):
+            return True
+        steps = int(self.steps.sum()) - self._born_at[0]
+        episodes = int(self.episodes.sum()) - self._born_at[1]
+        self._recycle_reason = policy.reason(steps, episodes, self._rss_mb)
+        if self._recycle_reason is not None or policy.is_near(steps, episodes, self._rss_mb):
+            self.handle.prestart()
+        return self._recycle_reason is not None
+
+    def _recycle_before(self, batch: Batch) -> Batch:
+        """Before a batch: kill for memory, or swap at a boundary; return the batch to send."""
+        policy = self._recycle
+        assert policy is not None
+        if not self._watch_recycle():
+            return batch
+        if policy.is_over_hard_cap(self._rss_mb):
+            logger.warning(
+                "%s: worker pid %s holds %.0f MiB, over hard_rss_mb=%g; killing it",
+                self._envs_text(),
+                self.handle.pid,
+                self._rss_mb,
+                policy.hard_rss_mb,
+            )
+            self.handle.kill()
+            self._lose_all("rss")
+            self._respawn("rss")
+            return batch
+        reason = self._recycle_reason
+        assert reason is not None
+        is_boundary = len(batch.positions) == len(self.env_indices) and bool(np.all(batch.is_reset))
+        if is_boundary and not self._lost:
+            self._swap(reason)
+        elif batch.autoreset:  # same-step: let episodes end unreset, so the swap can follow
+            self._is_holding_autoreset = True
+            return dataclasses.replace(batch, autoreset=False)
+        return batch
+
+    def _recycle_after(self, batch: Batch, result: BatchResult) -> None:
+        """After a batch: flag the resets a recycle started; hand held same-step resets back."""
+        if self._is_holding_autoreset:
+            # Sent without same-step autoreset: the vector resets each ended episode (as
+            # after a crash); when every env of the worker ended, the swap comes first.
+            self._is_holding_autoreset = False
+            done = result.terminated | result.truncated
+            failed = [item for item, extra in result.extras.items() if extra.failure is not None]
+            for item in np.flatnonzero(done).tolist():
+                extra = result.extras.setdefault(item, Outcome())
+                if extra.failure is None:
+                    extra.reset = None
+            reason = self._recycle_reason
+            if (
+                reason is not None
+                and len(batch.positions) == len(self.env_indices)
+                and bool(np.all(done))
+                and not failed
+                and not self._lost
+            ):
+                self._swap(reason)
+            return
+        if not self._recycled:
+            return
+        for item, position in enumerate(batch.positions):
+            if batch.is_reset[item] and position in self._recycled:
+                reason = self._recycled.pop(position)
+                extra = result.extras.setdefault(item, Outcome())
+                extra.info = {**extra.info, "multienv": {"recycled": True, "reason": reason}}
+
+    def _swap(self, reason: str) -> None:
+        """Replace the worker by its (pre-started) successor; every env is at a boundary."""
+        began = time.perf_counter()
+        old_pid = self.handle.pid
+        rngs = [self._get_rng(position) for position in range(len(self.env_indices))]
+        self.handle.retire()
+        self._spawn()
+        cause = self._handshake()
+        if cause is None:
+            self._set_state(EnvState.READY)
+        else:
+            self._respawn(cause)
+        for position, rng in enumerate(rngs):
+            if rng is not None:
+                self.request(position, Command.SET_ATTR, ("np_random", rng))
+        self.recycles += 1
+        for proxy in self.proxies:
+            proxy.recycles += 1
+        self._recycled = dict.fromkeys(range(len(self.env_indices)), reason)
+        logger.info(
+            "%s: recycled worker pid %s (%s) for pid %s in %.1f ms",
+            self._envs_text(),
+            old_pid,
+            reason,
+            self.handle.pid,
+            1e3 * (time.perf_counter() - began),
+        )
+
+    def _get_rng(self, position: int) -> Any:
+        """The env's ``np_random``, so its next episodes draw as the old env's would."""
+        try:
+            return self.request(position, Command.GET_ATTR, "np_random")
+        except EnvError:  # no np_random (an old-API env, say): the fresh env keeps its own
+            return None
+
     def _lose_all(self, cause: str) -> None:
         """Every env of the worker lost its episode; each is told on its next step."""
         for position in range(len(self.env_indices)):
@@ -711,6 +852,10 @@ class WorkerSupervisor:
 
     def _spawn(self) -> None:
         self.handle.spawn()
+        self._born_at = (int(self.steps.sum()), int(self.episodes.sum()))
+        self._recycle_reason = None
+        self._rss_mb = None
+        self._next_rss_check = 0.0
         self._init_deadline = (
             None if self._init_timeout is None else time.monotonic() + self._init_timeout
         )
@@ -839,6 +984,7 @@ class RemoteEnv(gym.Env[Any, Any]):
         self._is_closed = False
         self._sent: str | None = None  # "step" or "reset": what send_*() sent, for recv_*()
         self.restarts = 0
+        self.recycles = 0  # times its worker was replaced at an episode boundary
         self.last_failure: str | None = None
         while len(supervisor.proxies) <= position:
             supervisor.proxies.append(self)

@@ -42,12 +42,15 @@ from multienv.protocol import (
     unpack_outcomes,
 )
 from multienv.proxy import Death, RemoteEnv, VectorLink, WorkerHandle, WorkerSupervisor
+from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 
 logger = logging.getLogger(__name__)
 
 EnvFn = Callable[[], gym.Env[Any, Any]]
 _REAP_TIMEOUT_S = 5.0  # how long kill() waits for a local actor process to be gone
+_RETIRE_TIMEOUT_S = 5.0  # a retired actor may take this long to close its envs
+_RSS_TIMEOUT_S = 5.0  # to answer how much memory it holds
 _init_lock = threading.Lock()
 
 
@@ -166,6 +169,8 @@ class ActorHandle:
         self._batch: Batch | None = None
         self._tail: tuple[str, ...] = ()
         self._is_closing = threading.Event()
+        self._standby: tuple[Any, Any] | None = None  # (actor, its build ref), started ahead
+        self._reapers: list[threading.Thread] = []  # closing retired actors
 
     @property
     def pid(self) -> int | None:
@@ -189,13 +194,50 @@ class ActorHandle:
     # ----------------------------------------------------------------- actor
 
     def spawn(self) -> None:
-        """Create a new actor and ask it to build its envs; returns without waiting."""
-        ensure_ray(self._options)
+        """Create a new actor (or take the standby) building its envs; returns without waiting."""
         self._forget()
         self._pid = self._node_id = None
-        self._actor = _actor_class().options(**self._actor_options).remote(self._env_fn_bytes)
-        self.in_flight = self._actor.build.remote()
+        self._actor, self.in_flight = self._standby or self._launch()
+        self._standby = None
+
+    def prestart(self) -> None:
+        """Create a standby actor, which the next ``spawn()`` takes over; idempotent."""
+        if self._standby is None and not self._is_closing.is_set():
+            self._standby = self._launch()
+
+    def retire(self) -> None:
+        """Ask the current actor to close its envs, then kill it, on a background thread."""
+        actor, pid = self._actor, self._pid
+        is_local = self._node_id == _ray().get_runtime_context().get_node_id()
+        self._forget()
+        if actor is None:
+            return
+        reaper = threading.Thread(
+            target=_close_and_kill,
+            args=(actor, self._env_index, _RETIRE_TIMEOUT_S, pid if is_local else None),
+            name=f"multienv-retire-{self._env_index}",
+            daemon=True,
+        )
+        reaper.start()
+        self._reapers.append(reaper)
+
+    def rss_mb(self) -> float | None:
+        """Resident memory of the current actor's process in MiB (asked of the actor)."""
+        if self._actor is None:
+            return None
+        ray = _ray()
+        try:
+            value: float | None = ray.get(self._actor.rss_mb.remote(), timeout=_RSS_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - dead or busy: the next call will tell
+            logger.debug("env %d: rss_mb: %s", self._env_index, exc)
+            return None
+        return value
+
+    def _launch(self) -> tuple[Any, Any]:
+        ensure_ray(self._options)
+        actor = _actor_class().options(**self._actor_options).remote(self._env_fn_bytes)
         logger.info("env %d: created a Ray actor", self._env_index)
+        return actor, actor.build.remote()
 
     def handshake(self, deadline: float | None) -> Reply | Death:
         """Wait for the actor's envs (an actor no node can host waits until ``deadline``)."""
@@ -228,8 +270,17 @@ class ActorHandle:
             _wait_gone(pid, _REAP_TIMEOUT_S)
 
     def stop(self, timeout_s: float) -> None:
-        """Ask the actor to close its envs, then kill it; bounded by ``timeout_s``. Idempotent."""
+        """Ask the actor to close its envs, then kill it; bounded by ``timeout_s``. Idempotent.
+
+        A standby actor is killed too, and retired actors are waited for.
+        """
         self._is_closing.set()
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            _close_and_kill(standby[0], self._env_index, 0.0)
+        for reaper in self._reapers:
+            reaper.join(timeout_s + _REAP_TIMEOUT_S)
+        self._reapers.clear()
         actor = self._actor
         if actor is not None and self._pid is not None:
             ray = _ray()
@@ -325,6 +376,22 @@ class ActorHandle:
             )
             self.kill()
         return value
+
+
+def _close_and_kill(
+    actor: Any, env_index: int, timeout_s: float, local_pid: int | None = None
+) -> None:
+    """Let an actor close its envs (up to ``timeout_s``), kill it, wait for a local one to go."""
+    ray = _ray()
+    try:
+        if timeout_s > 0:
+            ray.wait([actor.close.remote()], timeout=timeout_s)
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:  # noqa: BLE001 - already gone, or Ray shut down
+        logger.debug("env %d: retiring an actor: %s", env_index, exc)
+        return
+    if local_pid is not None:
+        _wait_gone(local_pid, _REAP_TIMEOUT_S)
 
 
 def _wait_gone(pid: int, timeout_s: float) -> None:
@@ -424,6 +491,9 @@ class RayEnv(RemoteEnv):
         init_timeout: Seconds an actor may take to be placed and build its envs (an actor
             that no node has room for waits this long) before it is killed.
         restart_on_error: Treat an exception raised by env code as a death.
+        recycle: When to replace a worker by a fresh one at an episode boundary (budgets
+            of steps, episodes, memory), and when to kill it for its memory; see
+            ``RecyclePolicy``. None (default) never recycles.
         close_timeout_s: Seconds ``close()`` waits for the envs to close before the kill.
         env_index: Position of this env in its vector; used in messages.
     """
@@ -438,6 +508,7 @@ class RayEnv(RemoteEnv):
         reset_timeout: float | None = None,
         init_timeout: float | None = 60.0,
         restart_on_error: bool = False,
+        recycle: RecyclePolicy | None = None,
         close_timeout_s: float = 5.0,
         env_index: int = 0,
     ) -> None:
@@ -451,6 +522,7 @@ class RayEnv(RemoteEnv):
             reset_timeout=reset_timeout,
             init_timeout=init_timeout,
             restart_on_error=restart_on_error,
+            recycle=recycle,
             close_timeout_s=close_timeout_s,
         )
         super().__init__(supervisor, 0)
@@ -466,6 +538,7 @@ def _supervise(
     reset_timeout: float | None = None,
     init_timeout: float | None = 60.0,
     restart_on_error: bool = False,
+    recycle: RecyclePolicy | None = None,
     close_timeout_s: float = 5.0,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one actor's handle and supervisor."""
@@ -484,6 +557,7 @@ def _supervise(
         reset_timeout=reset_timeout,
         init_timeout=init_timeout,
         restart_on_error=restart_on_error,
+        recycle=recycle,
         close_timeout_s=close_timeout_s,
     )
 

@@ -15,6 +15,7 @@ import signal
 from collections.abc import Sequence
 
 from multienv.protocol import Reply, decode, encode
+from multienv.recycle import resident_mb
 from multienv.runner import BuildError, EnvRunner, encode_reply
 
 
@@ -48,6 +49,10 @@ class MultienvWorker:
         """Answer one pickled ``Request`` (a batch of orders, or a call of one env)."""
         request = decode(request_bytes)
         return encode_reply(self._runner.serve(request), request)
+
+    def rss_mb(self) -> float | None:
+        """This process's resident memory in MiB (None if it cannot be read)."""
+        return resident_mb()
 
     def close(self) -> None:
         """Close the envs; the parent then kills the actor."""

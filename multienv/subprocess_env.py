@@ -72,6 +72,7 @@ from multienv.proxy import (
     WorkerHandle,
     WorkerSupervisor,
 )
+from multienv.recycle import RecyclePolicy, resident_mb
 from multienv.restart import RestartPolicy
 from multienv.shared_memory import BatchLayout, SharedBatch
 
@@ -80,6 +81,8 @@ logger = logging.getLogger(__name__)
 EnvFn = Callable[[], gym.Env[Any, Any]]
 _PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
 _STDERR_TAIL_LINES = 30
+_STANDBY_READY_S = 60.0  # a standby worker slower than this to build its envs is replaced
+_RETIRE_TIMEOUT_S = 5.0  # a retired worker may take this long to close its envs
 _ITEM_DTYPE = np.dtype([("position", "<u2"), ("flags", "u1")])  # FAST_ITEM, as numpy
 assert _ITEM_DTYPE.itemsize == FAST_ITEM.size
 _DONE_OK_REPLY = Reply()  # what a DONE_OK record stands for
@@ -131,6 +134,102 @@ def _checked_preload(preload: Sequence[str], env_index: int) -> tuple[str, ...]:
     return names
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A started worker process, with the parent's ends of its pipes.
+
+    A standby's ``waiter`` thread waits for its envs and keeps the ``ready`` reply (None if
+    the worker died or was too slow), so that taking it over costs no wait.
+    """
+
+    process: BaseProcess
+    conn: Connection
+    reader: MessageReader
+    stderr_tail: deque[str]
+    stderr_pump: threading.Thread
+    waiter: threading.Thread | None = None
+    ready: Reply | None = None
+
+
+def _await_ready(
+    launched: _Launched, deadline: float, link: tuple[Any, int, int, int] | None
+) -> None:
+    """A standby's waiter: keep the worker's first reply, unless it dies or ``deadline`` passes.
+
+    A worker of a vector with shared memory is attached to it here too (``link``).
+    """
+    fd, sentinel = launched.conn.fileno(), launched.process.sentinel
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.register(sentinel, select.POLLIN)
+
+    def receive() -> Reply | Death:
+        try:
+            fds = [ready_fd for ready_fd, _ in poller.poll(_poll_ms(deadline, time.monotonic()))]
+            if fd in fds:
+                reply: Reply = decode(launched.reader.read())
+                return reply
+        except (*_PIPE_ERRORS, OSError, ValueError):  # dead, or stop() closed the pipe
+            pass
+        return Death("standby")  # died, or too slow: the taker starts a fresh worker
+
+    ready = receive()
+    if isinstance(ready, Death):
+        return
+    if link is not None and ready.failure is None and _attach(launched.conn, link, receive):
+        return
+    launched.ready = ready
+
+
+def _attach(
+    conn: Connection, link: tuple[Any, int, int, int], receive: Callable[[], Reply | Death]
+) -> Death | None:
+    """Attach a worker to its vector's shared memory: the command, then the fds, each acked."""
+    payload, memory_fd, done_fd, pid = link
+
+    def send_attach() -> None:
+        write_message(conn.fileno(), encode(Request(Command.ATTACH, -1, payload)))
+
+    def send_fds() -> None:
+        send_handle(conn, memory_fd, pid)
+        send_handle(conn, done_fd, pid)
+
+    for send in (send_attach, send_fds):
+        try:
+            send()
+        except _PIPE_ERRORS:
+            pass  # the worker is dead; receive() sees its sentinel
+        reply = receive()
+        if isinstance(reply, Death):
+            return reply
+    return None
+
+
+def _stop_process(
+    process: BaseProcess, conn: Connection, pump: threading.Thread | None, timeout_s: float
+) -> None:
+    """Ask a worker to close its envs and exit; kill it after ``timeout_s``; reap it."""
+    try:
+        if process.exitcode is None:
+            write_message(conn.fileno(), encode(Request(Command.CLOSE, -1)))
+    except (*_PIPE_ERRORS, OSError, ValueError):
+        pass
+    try:
+        process.join(max(0.0, timeout_s))
+        if process.exitcode is None:
+            process.terminate()
+            process.join(1.0)
+        if process.exitcode is None:
+            process.kill()
+            process.join(5.0)
+    finally:
+        conn.close()
+        if pump is not None:
+            pump.join(1.0)  # its EOF arrives once the worker's fd 2 is closed
+        if process.exitcode is not None:
+            process.close()
+
+
 class ProcessHandle:
     """The transport to one daemon worker process hosting k envs (``WorkerHandle``).
 
@@ -162,6 +261,9 @@ class ProcessHandle:
         self._stderr_pump: threading.Thread | None = None
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self._is_closing = threading.Event()
+        self._standby: _Launched | None = None  # a recycle's replacement, started ahead
+        self._ready_reply: Reply | None = None  # a standby's, for the handshake after spawn
+        self._reapers: list[threading.Thread] = []  # reaping retired workers
         # Set by SubprocessLink: the vector's shared memory and this worker's place in it.
         self._shared: SharedBatch | None = None
         self._worker_index = -1
@@ -192,8 +294,71 @@ class ProcessHandle:
     # ----------------------------------------------------------------- process
 
     def spawn(self) -> None:
-        """Start a new worker process; its envs are built there while we return."""
+        """Start a new worker process (or take the standby); its envs are built meanwhile."""
         self._release()
+        launched, self._standby = self._standby, None
+        if launched is not None:
+            assert launched.waiter is not None
+            launched.waiter.join()  # at once if its envs are built: it started ahead
+            if launched.ready is None:  # it died or is stuck: start afresh
+                _stop_process(launched.process, launched.conn, launched.stderr_pump, 0.0)
+                launched = None
+        if launched is None:
+            launched = self._launch()
+        self._ready_reply = launched.ready
+        process = launched.process
+        self._process, self._conn, self._pid = process, launched.conn, process.pid
+        self._fd = launched.conn.fileno()
+        self._reader = launched.reader
+        # Registered once per worker: a poll() per reply is one syscall, where
+        # multiprocessing.connection.wait() builds a new selector on every call.
+        self._poller = select.poll()
+        self._poller.register(self._fd, select.POLLIN)
+        self._poller.register(process.sentinel, select.POLLIN)
+        if self._shared is not None:
+            self._poller.register(self._done_read, select.POLLIN)
+        self._stderr_tail, self._stderr_pump = launched.stderr_tail, launched.stderr_pump
+
+    def prestart(self) -> None:
+        """Start a standby worker, which the next ``spawn()`` takes over; idempotent."""
+        if self._standby is None and not self._is_closing.is_set():
+            standby = self._launch()
+            standby.waiter = threading.Thread(
+                target=_await_ready,
+                args=(
+                    standby,
+                    time.monotonic() + _STANDBY_READY_S,
+                    None if self._shared is None else self._link_payload(standby.process.pid or 0),
+                ),
+                name=f"multienv-standby-{self._env_index}",
+                daemon=True,
+            )
+            standby.waiter.start()
+            self._standby = standby
+
+    def retire(self) -> None:
+        """Ask the current worker to close its envs and exit; reaped on a background thread.
+
+        The handle can ``spawn()`` at once; ``stop()`` waits for the retired workers.
+        """
+        process, conn, pump = self._process, self._conn, self._stderr_pump
+        if process is None or conn is None:
+            return
+        self._process = self._conn = self._stderr_pump = None
+        reaper = threading.Thread(
+            target=_stop_process,
+            args=(process, conn, pump, _RETIRE_TIMEOUT_S),
+            name=f"multienv-retire-{self._env_index}",
+            daemon=True,
+        )
+        reaper.start()
+        self._reapers.append(reaper)
+
+    def rss_mb(self) -> float | None:
+        """Resident memory of the current worker in MiB; None if it cannot be read."""
+        return None if self._pid is None else resident_mb(self._pid)
+
+    def _launch(self) -> _Launched:
         parent_conn, child_conn = self._context.Pipe()
         stderr_read, stderr_write = self._context.Pipe(duplex=False)
         is_forkserver = self._context.get_start_method() == "forkserver"
@@ -215,28 +380,24 @@ class ProcessHandle:
         finally:
             child_conn.close()
             stderr_write.close()
-        self._process, self._conn, self._pid = process, parent_conn, process.pid
-        self._fd = parent_conn.fileno()
-        self._reader = MessageReader(self._fd)
-        # Registered once per worker: a poll() per reply is one syscall, where
-        # multiprocessing.connection.wait() builds a new selector on every call.
-        self._poller = select.poll()
-        self._poller.register(self._fd, select.POLLIN)
-        self._poller.register(process.sentinel, select.POLLIN)
-        if self._shared is not None:
-            self._poller.register(self._done_read, select.POLLIN)
-        self._stderr_tail = deque(maxlen=_STDERR_TAIL_LINES)
-        self._stderr_pump = threading.Thread(
+        stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        stderr_pump = threading.Thread(
             target=_pump_stderr,
-            args=(stderr_read, self._stderr_tail),
+            args=(stderr_read, stderr_tail),
             name=f"multienv-stderr-{self._env_index}",
             daemon=True,
         )
-        self._stderr_pump.start()
+        stderr_pump.start()
         logger.info("env %d: started worker pid %d", self._env_index, process.pid)
+        return _Launched(
+            process, parent_conn, MessageReader(parent_conn.fileno()), stderr_tail, stderr_pump
+        )
 
     def handshake(self, deadline: float | None) -> Reply | Death:
         """Wait for the worker's envs; a linked worker is then attached to the shared memory."""
+        if self._ready_reply is not None:  # a standby's: built and attached ahead
+            ready, self._ready_reply = self._ready_reply, None
+            return ready
         reply = self._receive(deadline)
         if isinstance(reply, Reply) and reply.failure is None and self._shared is not None:
             death = self.join_link(deadline)
@@ -253,27 +414,25 @@ class ProcessHandle:
         self._release()
 
     def stop(self, timeout_s: float) -> None:
-        """Ask the worker to close its envs and exit; kill it after ``timeout_s``. Idempotent."""
+        """Ask the worker to close its envs and exit; kill it after ``timeout_s``. Idempotent.
+
+        A standby worker is stopped too, and retired workers are waited for.
+        """
         self._is_closing.set()
-        process, conn = self._process, self._conn
-        if process is None or conn is None:
-            self._release()
-            return
-        try:
-            if process.exitcode is None:
-                write_message(self._fd, encode(Request(Command.CLOSE, -1)))
-        except (*_PIPE_ERRORS, OSError, ValueError):
-            pass
-        try:
-            process.join(max(0.0, timeout_s))
-            if process.exitcode is None:
-                process.terminate()
-                process.join(1.0)
-            if process.exitcode is None:
-                process.kill()
-                process.join(5.0)
-        finally:
-            self._release()
+        began = time.monotonic()
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            _stop_process(standby.process, standby.conn, standby.stderr_pump, 0.0)
+            if standby.waiter is not None:
+                standby.waiter.join(1.0)
+        process, conn, pump = self._process, self._conn, self._stderr_pump
+        if process is not None and conn is not None:
+            self._process = self._conn = self._stderr_pump = None
+            _stop_process(process, conn, pump, timeout_s)
+        self._release()
+        for reaper in self._reapers:
+            reaper.join(max(0.0, timeout_s - (time.monotonic() - began)) + 5.0)
+        self._reapers.clear()
 
     def _release(self) -> None:
         if self._conn is not None:
@@ -440,33 +599,21 @@ class ProcessHandle:
 
     def join_link(self, deadline: float | None) -> Death | None:
         """Send the shared memory and done pipe to the worker; two round trips."""
-        shared, conn = self._shared, self._conn
-        if shared is None:
+        if self._shared is None:
             return None
-        assert conn is not None
-        assert shared.fd is not None
-        memory_fd, done_fd, pid = shared.fd, shared.done_write(self._worker_index), self._pid
-        payload = (shared.layout, self._worker_index, self._env_indices)
-
-        def send_fds() -> None:
-            send_handle(conn, memory_fd, pid)
-            send_handle(conn, done_fd, pid)
-
-        # The worker acks the command, then we send the fds, then it acks them.
+        assert self._conn is not None
         self._notify_seq = 0
+        return _attach(
+            self._conn, self._link_payload(self._pid or 0), lambda: self._receive(deadline)
+        )
 
-        def send_attach() -> None:
-            write_message(self._fd, encode(Request(Command.ATTACH, -1, payload)))
-
-        for send in (send_attach, send_fds):
-            try:
-                send()
-            except _PIPE_ERRORS:
-                pass  # the worker is dead; _receive() sees its sentinel
-            reply = self._receive(deadline)
-            if isinstance(reply, Death):
-                return reply
-        return None
+    def _link_payload(self, pid: int) -> tuple[Any, int, int, int]:
+        """What ``_attach`` sends worker ``pid``: the ATTACH payload and the two fds."""
+        shared = self._shared
+        assert shared is not None
+        assert shared.fd is not None
+        payload = (shared.layout, self._worker_index, self._env_indices)
+        return payload, shared.fd, shared.done_write(self._worker_index), pid
 
     def set_link(
         self, shared: SharedBatch | None, worker_index: int, env_indices: Sequence[int]
@@ -771,6 +918,9 @@ class SubprocessEnv(RemoteEnv):
             forever.
         init_timeout: Seconds a worker may take to build its envs before it is killed.
         restart_on_error: Treat an exception raised by env code as a death.
+        recycle: When to replace a worker by a fresh one at an episode boundary (budgets
+            of steps, episodes, memory), and when to kill it for its memory; see
+            ``RecyclePolicy``. None (default) never recycles.
         close_timeout_s: Seconds ``close()`` waits for the worker to exit before killing it.
         env_index: Position of this env in its vector; used in messages and process names.
         preload: Names of modules for the forkserver to import before it forks workers, such
@@ -792,6 +942,7 @@ class SubprocessEnv(RemoteEnv):
         reset_timeout: float | None = None,
         init_timeout: float | None = 60.0,
         restart_on_error: bool = False,
+        recycle: RecyclePolicy | None = None,
         close_timeout_s: float = 5.0,
         env_index: int = 0,
         preload: Sequence[str] = (),
@@ -807,6 +958,7 @@ class SubprocessEnv(RemoteEnv):
             reset_timeout=reset_timeout,
             init_timeout=init_timeout,
             restart_on_error=restart_on_error,
+            recycle=recycle,
             close_timeout_s=close_timeout_s,
             preload=preload,
             daemon=daemon,
@@ -824,6 +976,7 @@ def _supervise(
     reset_timeout: float | None = None,
     init_timeout: float | None = 60.0,
     restart_on_error: bool = False,
+    recycle: RecyclePolicy | None = None,
     close_timeout_s: float = 5.0,
     preload: Sequence[str] = (),
     daemon: bool = True,
@@ -845,6 +998,7 @@ def _supervise(
         reset_timeout=reset_timeout,
         init_timeout=init_timeout,
         restart_on_error=restart_on_error,
+        recycle=recycle,
         close_timeout_s=close_timeout_s,
     )
 

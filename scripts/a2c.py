@@ -378,7 +378,8 @@ class Recorder:
             )
         ax.axhline(self.args.target_return, color="gray", ls="--", lw=0.8, label="target")
         ax.set_ylabel("return")
-        ax.set_title(f"{self.algorithm} on {self.args.env_id}, {self.args.num_envs} envs ({self.args.backend})")
+        args = self.args
+        ax.set_title(f"{self.algorithm} on {args.env_id}, {args.num_envs} envs ({args.backend})")
         ax.legend(loc="best", fontsize="small")
         if has_kills:
             kills_ax = axes[1][0]
@@ -474,7 +475,8 @@ def collect_rollout(
         )
         recorder.add_steps(num_envs)
         episode_returns += rewards
-        crashed = infos["_multienv"] if "multienv" in infos else np.zeros(num_envs, bool)
+        # A crash's truncation says "restarted"; a recycled worker's reset says "recycled".
+        crashed = infos.get("multienv", {}).get("_restarted", np.zeros(num_envs, bool))
         rollout.crashed[t] = crashed
         for i in np.flatnonzero(truncations & ~terminations):
             final_obs = np.asarray(infos["final_obs"][i], dtype=np.float64).reshape(1, -1)

@@ -482,3 +482,16 @@ class DictActionEnv(CountingEnv):
     def step(self, action):
         obs, _, terminated, truncated, info = super().step(1)
         return obs, float(action["a"]) + float(action["b"][0]), terminated, truncated, info
+
+
+class LeakyEnv(CountingEnv):
+    """Keeps ``mb_per_step`` MiB more (touched, so resident) on every step, like a leaking sim."""
+
+    def __init__(self, mb_per_step: float = 2.0, episode_length: int = 5) -> None:
+        super().__init__(episode_length=episode_length)
+        self.mb_per_step = mb_per_step
+        self.leaked: list[np.ndarray] = []
+
+    def step(self, action):
+        self.leaked.append(np.ones(int(self.mb_per_step * 2**20), dtype=np.uint8))
+        return super().step(action)

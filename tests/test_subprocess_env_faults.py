@@ -135,11 +135,13 @@ def test_repeated_respawns_are_logged_three_times_then_summarized(caplog):
                 assert truncations.tolist() == [False, True]
                 envs.step(np.array([1, 1]))  # env 1's autoreset
             one_by_one = [r.message for r in caplog.records if "died (SIGKILL)" in r.message]
-            assert len(one_by_one) == 3 and all(m.startswith("env 1:") for m in one_by_one)
+            assert len(one_by_one) == 3
+            assert all(m.startswith("env 1:") for m in one_by_one)
             assert any("later failures" in r.message for r in caplog.records)
             assert not any("more worker failures" in r.message for r in caplog.records)
         summaries = [r.message for r in caplog.records if "more worker failures" in r.message]
-    assert summaries and summaries[0].startswith("4 more worker failures")
+    assert summaries
+    assert summaries[0].startswith("4 more worker failures")
     assert "SIGKILL 4; envs 1" in summaries[0]
 
 

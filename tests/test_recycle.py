@@ -1,0 +1,182 @@
+"""Worker recycling (``RecyclePolicy``): fresh workers at episode boundaries, memory caps.
+
+A recycle must be invisible in the data: the tests step a recycling MultiEnv side by side
+with SyncVectorEnv (the replacement env takes over the old one's RNG, so seeded runs stay
+equal) and check that nothing is truncated, that every worker was replaced, and that the
+recycled resets say so in ``info["multienv"]``.
+"""
+
+import functools
+import logging
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+from multienv import MultiEnv, RecyclePolicy
+from multienv.recycle import resident_mb
+from tests.conftest import Layout
+from tests.envs import CountingEnv, FixedLengthEnv, LeakyEnv
+
+MODES = list(AutoresetMode)
+
+
+def cartpole():
+    return gym.make("CartPole-v1")
+
+
+def strip_multienv(info):
+    """An info dict without multienv's own keys, nested ones included."""
+    clean = {}
+    for key, value in info.items():
+        if key.lstrip("_") == "multienv":
+            continue
+        clean[key] = strip_multienv(value) if isinstance(value, dict) else value
+    return clean
+
+
+def assert_same(got, want, where):
+    for name, a, b in zip(("obs", "reward", "terminated", "truncated"), got, want, strict=False):
+        np.testing.assert_allclose(
+            np.asarray(a, float), np.asarray(b, float), err_msg=f"{where} {name}"
+        )
+    got_info, want_info = strip_multienv(got[4]), strip_multienv(want[4])
+    assert sorted(got_info) == sorted(want_info), where
+    if "final_obs" in want_info:
+        mask = want_info["_final_obs"]
+        assert got_info["_final_obs"].tolist() == mask.tolist(), where
+        for i in np.flatnonzero(mask):
+            np.testing.assert_allclose(got_info["final_obs"][i], want_info["final_obs"][i])
+
+
+CASES = [
+    *[(Layout("subprocess", 1), mode, cartpole) for mode in MODES],
+    # Several envs per worker are recycled when all of them end together: fixed lengths.
+    *[(Layout("subprocess", 3), mode, functools.partial(FixedLengthEnv, 4)) for mode in MODES],
+    (Layout("ray", 3), AutoresetMode.NEXT_STEP, functools.partial(FixedLengthEnv, 4)),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("layout", "mode", "factory"),
+    CASES,
+    indirect=["layout"],
+    ids=[f"{c[0].backend}-k{c[0].k}-{c[1].value}" for c in CASES],
+)
+def test_recycling_is_invisible_next_to_sync_vector_env(layout, mode, factory):
+    n = 6
+    fns = [factory] * n
+    ours = MultiEnv(
+        fns, autoreset_mode=mode, recycle=RecyclePolicy(max_episodes=2), **layout.options
+    )
+    ref = SyncVectorEnv(fns, autoreset_mode=mode)
+    try:
+        first_pids = {proxy.pid for proxy in ours.envs}
+        got, want = ours.reset(seed=3), ref.reset(seed=3)
+        np.testing.assert_allclose(got[0], want[0])
+        ref.action_space.seed(3)
+        flagged = 0
+        for t in range(400):
+            if min(row["recycles"] for row in ours.stats()) >= 2:
+                break
+            actions = ref.action_space.sample()
+            got, want = ours.step(actions), ref.step(actions)
+            assert_same(got, want, f"step {t}")
+            assert "restarted" not in got[4].get("multienv", {})
+            if "multienv" in got[4]:
+                recycled = got[4]["multienv"]["_recycled"]
+                assert set(got[4]["multienv"]["reason"][recycled]) == {"max_episodes"}
+                flagged += int(recycled.sum())
+            if mode is AutoresetMode.DISABLED and (want[2] | want[3]).any():
+                mask = want[2] | want[3]
+                got_reset = ours.reset(options={"reset_mask": mask})
+                want_reset = ref.reset(options={"reset_mask": mask})
+                np.testing.assert_allclose(got_reset[0], want_reset[0])
+                if "multienv" in got_reset[1]:
+                    flagged += int(got_reset[1]["multienv"]["_recycled"].sum())
+        stats = ours.stats()
+        assert all(row["recycles"] >= 2 for row in stats), stats
+        assert all(row["restarts"] == 0 for row in stats), stats
+        assert flagged == sum(row["recycles"] for row in stats)
+        assert first_pids.isdisjoint({proxy.pid for proxy in ours.envs})
+    finally:
+        ours.close()
+        ref.close()
+    assert layout.live() == []
+
+
+@pytest.mark.timeout(60)
+def test_step_budget_recycles_and_logs_at_info_only(caplog):
+    with caplog.at_level(logging.INFO, logger="multienv"):
+        with MultiEnv(
+            [functools.partial(FixedLengthEnv, 5)] * 2, recycle=RecyclePolicy(max_steps=10)
+        ) as envs:
+            envs.reset(seed=0)
+            reasons = []
+            for _ in range(24):
+                infos = envs.step(np.zeros(2, dtype=np.int64))[4]
+                if "multienv" in infos:
+                    reasons += list(infos["multienv"]["reason"][infos["multienv"]["_recycled"]])
+            assert [row["recycles"] for row in envs.stats()] == [2, 2]
+    assert set(reasons) == {"max_steps"}
+    recycled = [r for r in caplog.records if "recycled worker" in r.message]
+    assert len(recycled) == 4
+    assert all(r.levelno == logging.INFO for r in recycled)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.timeout(60)
+def test_memory_cap_recycles_a_leaking_worker_at_the_boundary():
+    baseline = resident_mb()
+    assert baseline is not None
+    policy = RecyclePolicy(max_rss_mb=60 + 20, check_every_s=0.01)
+    env = functools.partial(LeakyEnv, mb_per_step=4, episode_length=5)
+    with MultiEnv([env], recycle=policy) as envs:
+        envs.reset(seed=0)
+        start_rss = resident_mb(envs.envs[0].pid)
+        assert start_rss is not None
+        assert start_rss < policy.max_rss_mb, "the worker starts above the cap; raise it"
+        reasons, pids = [], set()
+        for _ in range(60):
+            _obs, _rewards, _terminated, truncated, infos = envs.step(np.zeros(1, dtype=np.int64))
+            assert not truncated.any()
+            pids.add(envs.envs[0].pid)
+            if "multienv" in infos:
+                reasons.append(infos["multienv"]["reason"][0])
+                assert infos["multienv"]["recycled"][0]
+        assert set(reasons) == {"max_rss_mb"}
+        assert envs.stats()[0]["recycles"] == len(reasons) >= 2
+        assert len(pids) == len(reasons) + 1
+
+
+@pytest.mark.timeout(60)
+def test_hard_memory_cap_kills_mid_episode_as_a_death_with_cause_rss():
+    policy = RecyclePolicy(hard_rss_mb=200, check_every_s=0.01)
+    env = functools.partial(LeakyEnv, mb_per_step=20, episode_length=1000)
+    with MultiEnv([env, CountingEnv], recycle=policy) as envs:
+        envs.reset(seed=0)
+        causes = []
+        for _ in range(40):
+            _obs, _rewards, terminated, truncated, infos = envs.step(np.zeros(2, dtype=np.int64))
+            assert not terminated[0]
+            assert not truncated[1]
+            if truncated[0]:
+                assert infos["multienv"]["restarted"][0]
+                causes.append(infos["multienv"]["cause"][0])
+        assert causes
+        assert set(causes) == {"rss"}
+        stats = envs.stats()
+        assert stats[0]["restarts"] == len(causes)
+        assert stats[0]["last_failure"] == "rss"
+        assert stats[1]["restarts"] == 0
+
+
+def test_recycle_policy_rejects_meaningless_limits():
+    with pytest.raises(ValueError, match="max_episodes must be > 0"):
+        RecyclePolicy(max_episodes=0)
+    with pytest.raises(ValueError, match="hard_rss_mb .* must be above max_rss_mb"):
+        RecyclePolicy(max_rss_mb=500, hard_rss_mb=400)
+    with pytest.raises(ValueError, match="check_every_s"):
+        RecyclePolicy(check_every_s=0)
