@@ -176,7 +176,7 @@ def test_hard_memory_cap_kills_mid_episode_as_a_death_with_cause_rss():
 def test_recycle_policy_rejects_meaningless_limits():
     with pytest.raises(ValueError, match="max_episodes must be > 0"):
         RecyclePolicy(max_episodes=0)
-    with pytest.raises(ValueError, match="hard_rss_mb .* must be above max_rss_mb"):
+    with pytest.raises(ValueError, match=r"hard_rss_mb .* must be above max_rss_mb"):
         RecyclePolicy(max_rss_mb=500, hard_rss_mb=400)
     with pytest.raises(ValueError, match="check_every_s"):
         RecyclePolicy(check_every_s=0)
