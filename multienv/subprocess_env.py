@@ -480,8 +480,10 @@ class ProcessHandle:
         is_reset = batch.is_reset
         num_resets = int(np.count_nonzero(is_reset))
         is_fast = (
-            (shared.actions is not None or num_resets == size)
-            and batch.seeds is None
+            num_resets == size
+            or (shared.actions is not None and _same_dtype(batch.actions, shared.actions))
+        ) and (
+            batch.seeds is None
             and batch.options is None
         )
         if not is_fast:
@@ -812,6 +814,8 @@ class SubprocessLink:
         shared, items = self._shared, self._plan_items
         if shared is None or shared.actions is None or items is None:
             return None
+        if actions.dtype != shared.actions.dtype:  # the envs get the values as given
+            return None
         if not np.count_nonzero(is_reset):
             shared.actions[:] = actions
         else:
@@ -860,6 +864,12 @@ def _explain_no_shared_memory(space: gym.Space[Any]) -> None:
             "Pass shared_memory=False or leave it None."
         ) from exc
     # Gymnasium lays it out in shared memory (Text, OneOf); multienv pickles it instead.
+
+
+def _same_dtype(actions: Any, shared_actions: np.ndarray) -> bool:
+    """Whether actions can go through shared memory unchanged (no cast: the env gets them as
+    the caller gave them, as Gymnasium's vector envs pass them)."""
+    return isinstance(actions, np.ndarray) and actions.dtype == shared_actions.dtype
 
 
 def _poll_ms(deadline: float | None, now: float) -> int | None:

@@ -495,3 +495,11 @@ class LeakyEnv(CountingEnv):
     def step(self, action):
         self.leaked.append(np.ones(int(self.mb_per_step * 2**20), dtype=np.uint8))
         return super().step(action)
+
+
+class ActionTypeEcho(BoxActionEnv):
+    """Says in its info the type and dtype of the action it was given."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = super().step(action)
+        return obs, reward, terminated, truncated, {"dtype": str(np.asarray(action).dtype)}

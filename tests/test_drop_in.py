@@ -9,7 +9,14 @@ from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError
 
 from multienv import EnvError, MultiEnv
 from tests.conftest import live_workers
-from tests.envs import CountingEnv, RaiseOnReset, SequenceObsEnv, SlowReset, WideObsEnv
+from tests.envs import (
+    ActionTypeEcho,
+    CountingEnv,
+    RaiseOnReset,
+    SequenceObsEnv,
+    SlowReset,
+    WideObsEnv,
+)
 
 
 def test_async_vector_envs_arguments_are_accepted():
@@ -80,3 +87,18 @@ def test_an_env_raising_in_reset_raises_an_env_error_that_is_also_its_type():
             envs.reset()
         assert isinstance(caught.value, EnvError)
         assert caught.value.env_index == 1
+
+
+@pytest.mark.parametrize("shared_memory", [True, False, None])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_actions_reach_the_env_in_the_dtype_given_as_gymnasium_passes_them(shared_memory, dtype):
+    # Gymnasium's own step-timeout test passes float64 seconds to a float32 Box action
+    # space and calls time.sleep() on them; a cast to float32 would break it.
+    options = {} if shared_memory is None else {"shared_memory": shared_memory}
+    with MultiEnv([ActionTypeEcho] * 2, **options) as envs:
+        envs.reset(seed=0)
+        for _ in range(2):  # the planned path, then the general one after a step
+            infos = envs.step(np.full((2, 2), 0.25, dtype=dtype))[4]
+            assert infos["dtype"].tolist() == [np.dtype(dtype).name] * 2
+        envs.send(np.full((1, 2), 0.5, dtype=dtype), env_ids=[1])
+        assert envs.recv()[4]["dtype"].tolist() == [np.dtype(dtype).name]
