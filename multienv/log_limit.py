@@ -64,7 +64,6 @@ class FailureLog:
         self._lock = threading.Lock()
         self._held: collections.Counter[str] = collections.Counter()  # by cause, not yet told
         self._held_envs: set[int] = set()
-        self._has_told_counting = False  # the line saying counting has begun, once
         self._since = clock()
 
     def report(
@@ -88,17 +87,12 @@ class FailureLog:
         """
         with self._lock:
             if is_repeat_failure or failure_number <= self._first_per_env:
-                self._logger.warning("%s", message)
-                if failure_number == self._first_per_env and not self._has_told_counting:
-                    self._has_told_counting = True
-                    self._logger.warning(
-                        "env %d: this worker's later failures, and those of any worker past "
-                        "its first %d, are counted and logged once every %g s (crash loops are "
-                        "always logged)",
-                        env_index,
-                        self._first_per_env,
-                        self._summary_every_s,
+                if failure_number == self._first_per_env:
+                    message += (
+                        f" (this worker's later failures are counted and logged once every "
+                        f"{self._summary_every_s:g} s; crash loops are always logged)"
                     )
+                self._logger.warning("%s", message)
                 self._summarize_if_due()
                 return True
             self._held[cause] += 1

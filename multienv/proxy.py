@@ -742,6 +742,7 @@ class WorkerSupervisor:
         """Before a batch: kill for memory, or swap at a boundary; return the batch to send."""
         policy = self._recycle
         assert policy is not None
+        self._is_holding_autoreset = False  # a death may have left it set
         if not self._watch_recycle():
             return batch
         if policy.is_over_hard_cap(self._rss_mb):

@@ -427,8 +427,10 @@ class ProcessHandle:
                 standby.waiter.join(1.0)
         process, conn, pump = self._process, self._conn, self._stderr_pump
         if process is not None and conn is not None:
-            self._process = self._conn = self._stderr_pump = None
+            # The fields stay set meanwhile: a thread waiting on this worker sees it go,
+            # and raises ClosedEnvironmentError instead of reporting a death.
             _stop_process(process, conn, pump, timeout_s)
+            self._process = self._conn = self._stderr_pump = None
         self._release()
         for reaper in self._reapers:
             reaper.join(max(0.0, timeout_s - (time.monotonic() - began)) + 5.0)
@@ -482,10 +484,7 @@ class ProcessHandle:
         is_fast = (
             num_resets == size
             or (shared.actions is not None and _same_dtype(batch.actions, shared.actions))
-        ) and (
-            batch.seeds is None
-            and batch.options is None
-        )
+        ) and (batch.seeds is None and batch.options is None)
         if not is_fast:
             orders = batch.orders()
             for order, slot in zip(orders, slots.tolist(), strict=True):
@@ -663,6 +662,8 @@ class ProcessHandle:
         and they are noted for when their workers are collected.
         """
         process, shared = self._process, self._shared
+        if self._is_closing.is_set():
+            raise ClosedEnvironmentError(f"env {self._env_index}: closed while a call was waiting.")
         if process is None:
             return Death("unknown")
         seq = self._notify_seq
@@ -867,8 +868,10 @@ def _explain_no_shared_memory(space: gym.Space[Any]) -> None:
 
 
 def _same_dtype(actions: Any, shared_actions: np.ndarray) -> bool:
-    """Whether actions can go through shared memory unchanged (no cast: the env gets them as
-    the caller gave them, as Gymnasium's vector envs pass them)."""
+    """Whether actions can go through shared memory uncast, as Gymnasium's vector envs pass them.
+
+    The env must get them as the caller gave them; other dtypes are pickled.
+    """
     return isinstance(actions, np.ndarray) and actions.dtype == shared_actions.dtype
 
 
