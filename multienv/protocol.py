@@ -82,6 +82,8 @@ class Order:
         seed: The reset's seed.
         options: The reset's options.
         slot: The shared observation slot to write into, or None to return the observation.
+        np_random: A generator the env takes before the reset (a recycled env's, passed
+            on so that its episodes continue the same random stream).
     """
 
     position: int
@@ -91,6 +93,7 @@ class Order:
     seed: int | None = None
     options: dict[str, Any] | None = None
     slot: int | None = None
+    np_random: Any = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -132,6 +135,7 @@ class Batch:
         seeds: Per item, the reset's seed; None for no seeds at all.
         options: Per item, the reset's options; None for no options at all.
         is_whole: The items are all the worker's envs, in order (positions 0 to k-1).
+        np_randoms: Per item, a generator the env takes before its reset; None for none.
     """
 
     positions: list[int] | np.ndarray
@@ -141,6 +145,7 @@ class Batch:
     seeds: list[int | None] | None = None
     options: list[dict[str, Any] | None] | None = None
     is_whole: bool = False
+    np_randoms: list[Any] | None = None
 
     def orders(self) -> list[Order]:
         """The batch as one ``Order`` per item, for the pickled path."""
@@ -152,6 +157,7 @@ class Batch:
                 self.autoreset,
                 None if self.seeds is None else self.seeds[item],
                 None if self.options is None else self.options[item],
+                np_random=None if self.np_randoms is None else self.np_randoms[item],
             )
             for item, position in enumerate(self.positions)
         ]

@@ -336,6 +336,7 @@ class WorkerSupervisor:
         self.recycles = 0  # workers replaced at a boundary (each of its envs counts them)
         self._recycle_reason: str | None = None  # the limit the worker has reached
         self._recycled: dict[int, str] = {}  # positions whose next reset a recycle started
+        self._rngs: dict[int, Any] = {}  # their old envs' np_random, for those resets
         self._is_holding_autoreset = False  # the batch in flight was sent without it
         self._born_at = (0, 0)  # the steps and episodes counted when the worker started
         self._rss_mb: float | None = None
@@ -744,7 +745,7 @@ class WorkerSupervisor:
         assert policy is not None
         self._is_holding_autoreset = False  # a death may have left it set
         if not self._watch_recycle():
-            return batch
+            return self._with_rngs(batch) if self._rngs else batch
         if policy.is_over_hard_cap(self._rss_mb):
             logger.warning(
                 "%s: worker pid %s holds %.0f MiB, over hard_rss_mb=%g; killing it",
@@ -762,10 +763,21 @@ class WorkerSupervisor:
         is_boundary = len(batch.positions) == len(self.env_indices) and bool(np.all(batch.is_reset))
         if is_boundary and not self._lost:
             self._swap(reason)
-        elif batch.autoreset:  # same-step: let episodes end unreset, so the swap can follow
+            return self._with_rngs(batch)
+        if batch.autoreset:  # same-step: let episodes end unreset, so the swap can follow
             self._is_holding_autoreset = True
             return dataclasses.replace(batch, autoreset=False)
         return batch
+
+    def _with_rngs(self, batch: Batch) -> Batch:
+        """The batch, its resets carrying the np_random of the envs a recycle replaced."""
+        rngs = [
+            self._rngs.pop(position, None) if batch.is_reset[item] else None
+            for item, position in enumerate(batch.positions)
+        ]
+        if not any(rng is not None for rng in rngs):
+            return batch
+        return dataclasses.replace(batch, np_randoms=rngs)
 
     def _recycle_after(self, batch: Batch, result: BatchResult) -> None:
         """After a batch: flag the resets a recycle started; hand held same-step resets back."""
@@ -809,9 +821,7 @@ class WorkerSupervisor:
             self._set_state(EnvState.READY)
         else:
             self._respawn(cause)
-        for position, rng in enumerate(rngs):
-            if rng is not None:
-                self.request(position, Command.SET_ATTR, ("np_random", rng))
+        self._rngs = {position: rng for position, rng in enumerate(rngs) if rng is not None}
         self.recycles += 1
         for proxy in self.proxies:
             proxy.recycles += 1

@@ -107,6 +107,8 @@ class EnvRunner:
         """Run one order; an env exception becomes its failure (the other orders go on)."""
         try:
             if order.is_reset:
+                if order.np_random is not None:
+                    self.envs[order.position].set_wrapper_attr("np_random", order.np_random)
                 obs, info = self.reset(order.position, order.seed, order.options)
                 return Outcome(obs, info=info)
             return self.step(order.position, order.action, order.autoreset)

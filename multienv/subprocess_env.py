@@ -19,6 +19,7 @@ import logging
 import math
 import multiprocessing
 import os
+import queue
 import select
 import signal
 import struct
@@ -230,6 +231,44 @@ def _stop_process(
             process.close()
 
 
+class _Reaper:
+    """One thread that stops retired workers one after another, so that a swap never waits.
+
+    Retiring a worker is a queue put; the thread starts with the first one.
+    """
+
+    def __init__(self) -> None:
+        """Nothing runs until the first retirement."""
+        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def stop(
+        self, process: BaseProcess, conn: Connection, pump: threading.Thread | None
+    ) -> threading.Event:
+        """Queue a worker to be stopped (CLOSE, then killed after a while); set when gone."""
+        gone = threading.Event()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="multienv-reaper", daemon=True
+                )
+                self._thread.start()
+        self._queue.put((process, conn, pump, gone))
+        return gone
+
+    def _run(self) -> None:
+        while True:
+            process, conn, pump, gone = self._queue.get()
+            try:
+                _stop_process(process, conn, pump, _RETIRE_TIMEOUT_S)
+            finally:
+                gone.set()
+
+
+_reaper = _Reaper()
+
+
 class ProcessHandle:
     """The transport to one daemon worker process hosting k envs (``WorkerHandle``).
 
@@ -263,7 +302,7 @@ class ProcessHandle:
         self._is_closing = threading.Event()
         self._standby: _Launched | None = None  # a recycle's replacement, started ahead
         self._ready_reply: Reply | None = None  # a standby's, for the handshake after spawn
-        self._reapers: list[threading.Thread] = []  # reaping retired workers
+        self._reaped: list[threading.Event] = []  # set when a retired worker is gone
         # Set by SubprocessLink: the vector's shared memory and this worker's place in it.
         self._shared: SharedBatch | None = None
         self._worker_index = -1
@@ -345,14 +384,7 @@ class ProcessHandle:
         if process is None or conn is None:
             return
         self._process = self._conn = self._stderr_pump = None
-        reaper = threading.Thread(
-            target=_stop_process,
-            args=(process, conn, pump, _RETIRE_TIMEOUT_S),
-            name=f"multienv-retire-{self._env_index}",
-            daemon=True,
-        )
-        reaper.start()
-        self._reapers.append(reaper)
+        self._reaped.append(_reaper.stop(process, conn, pump))
 
     def rss_mb(self) -> float | None:
         """Resident memory of the current worker in MiB; None if it cannot be read."""
@@ -432,9 +464,9 @@ class ProcessHandle:
             _stop_process(process, conn, pump, timeout_s)
             self._process = self._conn = self._stderr_pump = None
         self._release()
-        for reaper in self._reapers:
-            reaper.join(max(0.0, timeout_s - (time.monotonic() - began)) + 5.0)
-        self._reapers.clear()
+        for reaped in self._reaped:
+            reaped.wait(max(0.0, timeout_s - (time.monotonic() - began)) + _RETIRE_TIMEOUT_S)
+        self._reaped.clear()
 
     def _release(self) -> None:
         if self._conn is not None:
@@ -484,7 +516,7 @@ class ProcessHandle:
         is_fast = (
             num_resets == size
             or (shared.actions is not None and _same_dtype(batch.actions, shared.actions))
-        ) and (batch.seeds is None and batch.options is None)
+        ) and (batch.seeds is None and batch.options is None and batch.np_randoms is None)
         if not is_fast:
             orders = batch.orders()
             for order, slot in zip(orders, slots.tolist(), strict=True):
