@@ -341,6 +341,7 @@ class WorkerSupervisor:
         self._born_at = (0, 0)  # the steps and episodes counted when the worker started
         self._rss_mb: float | None = None
         self._next_rss_check = 0.0
+        self._has_standby = False  # a replacement was started for the current worker
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -724,19 +725,33 @@ class WorkerSupervisor:
     # ----------------------------------------------------------------- recycling
 
     def _watch_recycle(self) -> bool:
-        """Read the worker's memory when due and check its budgets; True if action is due."""
+        """Read the worker's memory when due and check its budgets; True if action is due.
+
+        Runs before every step of a recycling worker, so it avoids NumPy where it can.
+        """
         policy = self._recycle
         assert policy is not None
-        if policy.reads_memory and time.monotonic() >= self._next_rss_check:
-            self._next_rss_check = time.monotonic() + policy.check_every_s
-            self._rss_mb = self.handle.rss_mb()
-        if self._recycle_reason is not None or policy.is_over_hard_cap(self._rss_mb):
+        if self._recycle_reason is not None:
             return True
-        steps = int(self.steps.sum()) - self._born_at[0]
-        episodes = int(self.episodes.sum()) - self._born_at[1]
+        if policy.reads_memory:
+            now = time.monotonic()
+            if now >= self._next_rss_check:
+                self._next_rss_check = now + policy.check_every_s
+                self._rss_mb = self.handle.rss_mb()
+            if policy.is_over_hard_cap(self._rss_mb):
+                return True
+        if len(self.env_indices) == 1:
+            steps, episodes = int(self.steps[0]), int(self.episodes[0])
+        else:
+            steps, episodes = int(self.steps.sum()), int(self.episodes.sum())
+        steps -= self._born_at[0]
+        episodes -= self._born_at[1]
         self._recycle_reason = policy.reason(steps, episodes, self._rss_mb)
-        if self._recycle_reason is not None or policy.is_near(steps, episodes, self._rss_mb):
+        if not self._has_standby and (
+            self._recycle_reason is not None or policy.is_near(steps, episodes, self._rss_mb)
+        ):
             self.handle.prestart()
+            self._has_standby = True
         return self._recycle_reason is not None
 
     def _recycle_before(self, batch: Batch) -> Batch:
@@ -867,6 +882,7 @@ class WorkerSupervisor:
         self._recycle_reason = None
         self._rss_mb = None
         self._next_rss_check = 0.0
+        self._has_standby = False
         self._init_deadline = (
             None if self._init_timeout is None else time.monotonic() + self._init_timeout
         )
