@@ -142,6 +142,46 @@ def test_sb3_wrappers_work_on_top():
         env.close()
 
 
+class FramesEnv(CountingEnv):
+    """CountingEnv whose frames are 32x32, each filled with its step count."""
+
+    def __init__(self) -> None:
+        super().__init__(episode_length=7, render_mode="rgb_array")
+
+    def render(self):
+        return np.full((32, 32, 3), 20 * self.count, dtype=np.uint8)
+
+
+def test_vec_video_recorder_records_the_same_frames_as_on_subprocvecenv(tmp_path):
+    pytest.importorskip("moviepy", reason="VecVideoRecorder needs moviepy: pip install moviepy")
+    from stable_baselines3.common.vec_env import VecVideoRecorder
+
+    def rgb_counting():
+        return gym.wrappers.TimeLimit(FramesEnv(), 100)
+
+    videos = {}
+    for name, vec_class in (("ours", MultiEnvVecEnv), ("sb3", SubprocVecEnv)):
+        folder = tmp_path / name
+        env = VecVideoRecorder(
+            vec_class([rgb_counting] * 2),
+            str(folder),
+            record_video_trigger=lambda step: step == 0,
+            video_length=20,
+        )
+        try:
+            env.seed(0)
+            env.reset()
+            for _ in range(25):
+                env.step(np.zeros(2, dtype=np.int64))
+        finally:
+            env.close()
+        videos[name] = sorted(folder.glob("*.mp4"))
+        assert len(videos[name]) == 1, list(folder.iterdir())
+    sizes = {name: paths[0].stat().st_size for name, paths in videos.items()}
+    assert sizes["ours"] > 1000
+    assert videos["ours"][0].read_bytes() == videos["sb3"][0].read_bytes(), sizes  # same frames
+
+
 @pytest.mark.slow
 @pytest.mark.fault
 @pytest.mark.timeout(120)
