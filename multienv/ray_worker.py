@@ -14,8 +14,8 @@ import os
 import signal
 from collections.abc import Sequence
 
+from multienv.procfs import resident_mb
 from multienv.protocol import Reply, decode, encode
-from multienv.recycle import resident_mb
 from multienv.runner import BuildError, EnvRunner, encode_reply
 
 

@@ -1,4 +1,4 @@
-"""BOTH SIDES, pure: ``RecyclePolicy``, when a worker is replaced; reading a process's memory.
+"""PARENT SIDE, pure: ``RecyclePolicy``, when a worker is replaced by a fresh one.
 
 A long run meets envs that leak (emulators, simulators, physics engines with caches). A
 worker that has run its budget of steps or episodes, or whose resident memory passed
@@ -24,9 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import os
 
-_PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4096 / 2**20
 _NEAR = 0.9  # the replacement starts when this share of a budget is spent
 
 
@@ -103,24 +101,3 @@ class RecyclePolicy:
     def is_over_hard_cap(self, rss_mb: float | None) -> bool:
         """Whether a worker must be killed at once for its memory."""
         return self.hard_rss_mb is not None and rss_mb is not None and rss_mb >= self.hard_rss_mb
-
-
-def resident_mb(pid: int | None = None) -> float | None:
-    """Resident memory of process ``pid`` (this one if None) in MiB, or None if unreadable.
-
-    One read of ``/proc/<pid>/statm`` on Linux (microseconds); elsewhere psutil when it is
-    installed; else None, and the memory caps do nothing.
-    """
-    try:
-        with open(f"/proc/{'self' if pid is None else pid}/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE_MB
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import psutil  # type: ignore[import-untyped]
-    except ImportError:
-        return None
-    try:
-        return float(psutil.Process(pid).memory_info().rss) / 2**20
-    except psutil.Error:
-        return None

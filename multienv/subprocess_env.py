@@ -41,6 +41,7 @@ from gymnasium.vector.utils import create_shared_memory
 
 from multienv.factory import create_envs, supervise
 from multienv.forkserver import forkserver_context
+from multienv.procfs import resident_mb
 from multienv.protocol import (
     DONE_OK,
     FAST_BATCH,
@@ -73,7 +74,7 @@ from multienv.proxy import (
     WorkerHandle,
     WorkerSupervisor,
 )
-from multienv.recycle import RecyclePolicy, resident_mb
+from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 from multienv.shared_memory import BatchLayout, SharedBatch
 

@@ -43,7 +43,7 @@ import gymnasium as gym
 import numpy as np
 
 from multienv import EnvError, MultiEnv, RecyclePolicy, RestartPolicy
-from multienv.recycle import resident_mb
+from multienv.procfs import process_table, resident_mb
 from multienv.worker import OS_NAME_PREFIX
 
 ROLES = ("leaky", "flaky", "hangs", "raises")
@@ -103,21 +103,9 @@ class Health:
 
 def zombies_and_orphans() -> tuple[list[int], list[int]]:
     """Our zombie children, and multienv workers whose parent died (adopted by init)."""
-    me, zombies, orphans = os.getpid(), [], []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-        if int(ppid) == me and state == "Z":
-            zombies.append(int(entry))
-        if name.startswith(OS_NAME_PREFIX) and int(ppid) == 1:
-            orphans.append(int(entry))
+    me, table = os.getpid(), process_table().values()
+    zombies = [p.pid for p in table if p.ppid == me and p.state == "Z"]
+    orphans = [p.pid for p in table if p.name.startswith(OS_NAME_PREFIX) and p.ppid == 1]
     return zombies, orphans
 
 

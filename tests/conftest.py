@@ -11,36 +11,20 @@ import time
 
 import pytest
 
+from multienv.procfs import process_table
 from multienv.worker import OS_NAME_PREFIX
 
 
 def _descendant_workers() -> list[int]:
     """Pids of live multienv workers descended from this process (found through /proc)."""
-    me = os.getpid()
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] == "Z":
-            names[int(entry)] = name + " (zombie)"
-        else:
-            names[int(entry)] = name
-        parents[int(entry)] = int(fields[1])
+    me, table = os.getpid(), process_table()
     found = []
-    for pid, name in names.items():
-        if not name.startswith(OS_NAME_PREFIX):
+    for pid, entry in table.items():
+        if not entry.name.startswith(OS_NAME_PREFIX):
             continue
-        ancestor = parents.get(pid, 0)
+        ancestor = entry.ppid
         while ancestor > 1 and ancestor != me:
-            ancestor = parents.get(ancestor, 0)
+            ancestor = table[ancestor].ppid if ancestor in table else 0
         if ancestor == me:
             found.append(pid)
     return found

@@ -15,7 +15,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from multienv import MultiEnv, RecyclePolicy
-from multienv.recycle import resident_mb
+from multienv.procfs import resident_mb
 from tests.conftest import Layout
 from tests.envs import CountingEnv, FixedLengthEnv, LeakyEnv
 
