@@ -8,6 +8,8 @@ recycled resets say so in ``info["multienv"]``.
 
 import functools
 import logging
+import os
+import signal
 
 import gymnasium as gym
 import numpy as np
@@ -16,7 +18,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from multienv import MultiEnv, RecyclePolicy
 from multienv.procfs import resident_mb
-from tests.conftest import Layout
+from tests.conftest import Layout, live_workers
 from tests.envs import CountingEnv, FixedLengthEnv, LeakyEnv
 
 MODES = list(AutoresetMode)
@@ -180,3 +182,40 @@ def test_recycle_policy_rejects_meaningless_limits():
         RecyclePolicy(max_rss_mb=500, hard_rss_mb=400)
     with pytest.raises(ValueError, match="check_every_s"):
         RecyclePolicy(check_every_s=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_death_while_a_replacement_waits_respawns_into_it_and_leaves_nothing_behind():
+    # max_episodes=1: the replacement is started with the worker, so one always waits.
+    fns = [functools.partial(FixedLengthEnv, 50)] * 2
+    with MultiEnv(fns, recycle=RecyclePolicy(max_episodes=1)) as envs:
+        envs.reset(seed=0)
+        envs.step(np.zeros(2, dtype=np.int64))
+        victim = envs.envs[0].pid
+        os.kill(victim, signal.SIGKILL)
+        _obs, _rewards, _terminated, truncated, infos = envs.step(np.zeros(2, dtype=np.int64))
+        assert truncated.tolist() == [True, False]
+        assert infos["multienv"]["cause"][0] == "SIGKILL"
+        assert envs.envs[0].pid != victim
+        for _ in range(120):  # episodes end, workers are recycled, the run goes on
+            envs.step(np.zeros(2, dtype=np.int64))
+        stats = envs.stats()
+        assert [row["restarts"] for row in stats] == [1, 0]
+        assert all(row["recycles"] >= 2 for row in stats), stats
+    assert live_workers() == []
+
+
+@pytest.mark.timeout(120)
+def test_ray_actor_over_the_hard_memory_cap_is_killed_with_cause_rss(ray_cluster):
+    policy = RecyclePolicy(hard_rss_mb=400, check_every_s=0.01)
+    env = functools.partial(LeakyEnv, mb_per_step=40, episode_length=1000)
+    with MultiEnv([env], backend="ray", recycle=policy) as envs:
+        envs.reset(seed=0)
+        causes = []
+        for _ in range(30):
+            truncated, infos = envs.step(np.zeros(1, dtype=np.int64))[3:]
+            if truncated[0]:
+                causes.append(infos["multienv"]["cause"][0])
+        assert causes
+        assert set(causes) == {"rss"}
+        assert envs.stats()[0]["restarts"] == len(causes)
