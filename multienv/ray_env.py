@@ -219,6 +219,7 @@ class ActorHandle:
             daemon=True,
         )
         reaper.start()
+        self._reapers = [thread for thread in self._reapers if thread.is_alive()]
         self._reapers.append(reaper)
 
     def rss_mb(self) -> float | None:

@@ -385,6 +385,7 @@ class ProcessHandle:
         if process is None or conn is None:
             return
         self._process = self._conn = self._stderr_pump = None
+        self._reaped = [gone for gone in self._reaped if not gone.is_set()]  # a week of them
         self._reaped.append(_reaper.stop(process, conn, pump))
 
     def rss_mb(self) -> float | None:
