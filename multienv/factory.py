@@ -16,8 +16,6 @@ from typing import Any, TypeVar
 import cloudpickle
 
 from multienv.proxy import RemoteEnv, WorkerHandle, WorkerSupervisor
-from multienv.recycle import RecyclePolicy
-from multienv.restart import RestartPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +49,7 @@ def supervise(
     env_fns: Sequence[Callable[[], Any]],
     first_env_index: int,
     make_handle: Callable[[list[bytes]], WorkerHandle],
-    *,
-    restart_policy: RestartPolicy | None,
-    step_timeout: float | None,
-    reset_timeout: float | None,
-    init_timeout: float | None,
-    restart_on_error: bool,
-    recycle: RecyclePolicy | None = None,
-    close_timeout_s: float,
+    **supervisor_options: Any,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories, and build one worker's supervisor.
 
@@ -66,36 +57,21 @@ def supervise(
         env_fns: The worker's env factories, by position.
         first_env_index: The vector index of its first env, for messages.
         make_handle: Builds the backend's handle from the pickled factories.
-        restart_policy: See ``WorkerSupervisor``; None for the default policy.
-        step_timeout: See ``WorkerSupervisor``.
-        reset_timeout: See ``WorkerSupervisor``.
-        init_timeout: See ``WorkerSupervisor``.
-        restart_on_error: See ``WorkerSupervisor``.
-        recycle: See ``WorkerSupervisor``.
-        close_timeout_s: See ``WorkerSupervisor``.
+        **supervisor_options: ``WorkerSupervisor``'s keyword options (timeouts, policies).
     """
     check_timeouts(
         first_env_index,
-        step_timeout=step_timeout,
-        reset_timeout=reset_timeout,
-        init_timeout=init_timeout,
+        **{
+            name: supervisor_options.get(name)
+            for name in ("step_timeout", "reset_timeout", "init_timeout")
+        },
     )
     env_indices = list(range(first_env_index, first_env_index + len(env_fns)))
     env_fn_bytes = [
         pickle_env_fn(env_fn, env_index)
         for env_fn, env_index in zip(env_fns, env_indices, strict=True)
     ]
-    return WorkerSupervisor(
-        make_handle(env_fn_bytes),
-        env_indices,
-        restart_policy=restart_policy if restart_policy is not None else RestartPolicy(),
-        step_timeout=step_timeout,
-        reset_timeout=reset_timeout,
-        init_timeout=init_timeout,
-        restart_on_error=restart_on_error,
-        recycle=recycle,
-        close_timeout_s=close_timeout_s,
-    )
+    return WorkerSupervisor(make_handle(env_fn_bytes), env_indices, **supervisor_options)
 
 
 def create_envs(

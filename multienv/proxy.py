@@ -284,7 +284,7 @@ class WorkerSupervisor:
     Args:
         handle: The transport to the worker.
         env_indices: The index of each of the worker's envs, by position, for messages.
-        restart_policy: How many respawns are allowed, and how fast.
+        restart_policy: How many respawns are allowed, and how fast; None for the default.
         step_timeout: Seconds one env's step may take; a batch of m steps gets m times that.
         reset_timeout: Seconds one env's reset may take; likewise per batch.
         init_timeout: Seconds the worker may take to build its envs.
@@ -299,12 +299,12 @@ class WorkerSupervisor:
         handle: WorkerHandle,
         env_indices: Sequence[int],
         *,
-        restart_policy: RestartPolicy,
-        step_timeout: float | None,
-        reset_timeout: float | None,
-        init_timeout: float | None,
-        restart_on_error: bool,
-        close_timeout_s: float,
+        restart_policy: RestartPolicy | None = None,
+        step_timeout: float | None = None,
+        reset_timeout: float | None = None,
+        init_timeout: float | None = 60.0,
+        restart_on_error: bool = False,
+        close_timeout_s: float = 5.0,
         recycle: RecyclePolicy | None = None,
     ) -> None:
         """Create the supervisor; no worker is started yet."""
@@ -312,7 +312,7 @@ class WorkerSupervisor:
         self.env_indices = list(env_indices)
         self.proxies: list[RemoteEnv] = []  # by position, filled by the proxies themselves
         self.descriptions: list[EnvDescription] = []
-        self._restart_policy = restart_policy
+        self._restart_policy = restart_policy if restart_policy is not None else RestartPolicy()
         self._step_timeout = step_timeout
         self._reset_timeout = reset_timeout
         self._init_timeout = init_timeout

@@ -534,15 +534,13 @@ def _supervise(
     first_env_index: int,
     *,
     ray_options: RayOptions | None = None,
-    restart_policy: RestartPolicy | None = None,
-    step_timeout: float | None = None,
-    reset_timeout: float | None = None,
-    init_timeout: float | None = 60.0,
-    restart_on_error: bool = False,
-    recycle: RecyclePolicy | None = None,
-    close_timeout_s: float = 5.0,
+    **supervisor_options: Any,
 ) -> WorkerSupervisor:
-    """Check the options, pickle the factories and build one actor's handle and supervisor."""
+    """Check the options, pickle the factories and build one actor's handle and supervisor.
+
+    ``supervisor_options`` are ``WorkerSupervisor``'s (timeouts, policies), as ``RayEnv``
+    documents them.
+    """
     options = ray_options if ray_options is not None else RayOptions()
     if not isinstance(options, RayOptions):
         raise TypeError(
@@ -553,13 +551,7 @@ def _supervise(
         env_fns,
         first_env_index,
         lambda env_fn_bytes: ActorHandle(env_fn_bytes, first_env_index, options),
-        restart_policy=restart_policy,
-        step_timeout=step_timeout,
-        reset_timeout=reset_timeout,
-        init_timeout=init_timeout,
-        restart_on_error=restart_on_error,
-        recycle=recycle,
-        close_timeout_s=close_timeout_s,
+        **supervisor_options,
     )
 
 

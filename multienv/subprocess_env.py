@@ -1018,17 +1018,15 @@ def _supervise(
     first_env_index: int,
     *,
     context: BaseContext | str | None = None,
-    restart_policy: RestartPolicy | None = None,
-    step_timeout: float | None = None,
-    reset_timeout: float | None = None,
-    init_timeout: float | None = 60.0,
-    restart_on_error: bool = False,
-    recycle: RecyclePolicy | None = None,
-    close_timeout_s: float = 5.0,
     preload: Sequence[str] = (),
     daemon: bool = True,
+    **supervisor_options: Any,
 ) -> WorkerSupervisor:
-    """Check the options, pickle the factories and build one worker's handle and supervisor."""
+    """Check the options, pickle the factories and build one worker's handle and supervisor.
+
+    ``supervisor_options`` are ``WorkerSupervisor``'s (timeouts, policies), as
+    ``SubprocessEnv`` documents them.
+    """
     preload_names = _checked_preload(preload, first_env_index)
 
     def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
@@ -1040,13 +1038,7 @@ def _supervise(
         env_fns,
         first_env_index,
         make_handle,
-        restart_policy=restart_policy,
-        step_timeout=step_timeout,
-        reset_timeout=reset_timeout,
-        init_timeout=init_timeout,
-        restart_on_error=restart_on_error,
-        recycle=recycle,
-        close_timeout_s=close_timeout_s,
+        **supervisor_options,
     )
 
 
