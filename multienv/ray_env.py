@@ -207,14 +207,12 @@ class ActorHandle:
 
     def retire(self) -> None:
         """Ask the current actor to close its envs, then kill it, on a background thread."""
-        actor, pid = self._actor, self._pid
-        is_local = self._node_id == _ray().get_runtime_context().get_node_id()
-        self._forget()
+        actor, local_pid = self._detach()
         if actor is None:
             return
         reaper = threading.Thread(
             target=_close_and_kill,
-            args=(actor, self._env_index, _RETIRE_TIMEOUT_S, pid if is_local else None),
+            args=(actor, self._env_index, _RETIRE_TIMEOUT_S, local_pid),
             name=f"multienv-retire-{self._env_index}",
             daemon=True,
         )
@@ -257,18 +255,9 @@ class ActorHandle:
 
     def kill(self) -> None:
         """Kill the actor at once and wait (a few seconds at most) for its process to go."""
-        actor, pid = self._actor, self._pid
-        self._forget()
-        if actor is None:
-            return
-        ray = _ray()
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception as exc:  # noqa: BLE001 - already gone, or Ray shut down
-            logger.debug("env %d: ray.kill: %s", self._env_index, exc)
-            return
-        if pid is not None and self._node_id == ray.get_runtime_context().get_node_id():
-            _wait_gone(pid, _REAP_TIMEOUT_S)
+        actor, local_pid = self._detach()
+        if actor is not None:
+            _close_and_kill(actor, self._env_index, 0.0, local_pid)
 
     def stop(self, timeout_s: float) -> None:
         """Ask the actor to close its envs, then kill it; bounded by ``timeout_s``. Idempotent.
@@ -282,14 +271,19 @@ class ActorHandle:
         for reaper in self._reapers:
             reaper.join(timeout_s + _REAP_TIMEOUT_S)
         self._reapers.clear()
-        actor = self._actor
-        if actor is not None and self._pid is not None:
-            ray = _ray()
-            try:
-                ray.wait([actor.close.remote()], timeout=max(0.0, timeout_s))
-            except Exception as exc:  # noqa: BLE001 - the actor is dead or Ray is gone
-                logger.debug("env %d: close: %s", self._env_index, exc)
-        self.kill()
+        is_built = self._pid is not None  # an actor still building its envs is just killed
+        actor, local_pid = self._detach()
+        if actor is not None:
+            _close_and_kill(actor, self._env_index, timeout_s if is_built else 0.0, local_pid)
+
+    def _detach(self) -> tuple[Any, int | None]:
+        """Forget the current actor; return it, and its pid when it runs on this node."""
+        actor, pid = self._actor, self._pid
+        self._forget()
+        if actor is None or pid is None:
+            return actor, None
+        is_local = self._node_id == _ray().get_runtime_context().get_node_id()
+        return actor, pid if is_local else None
 
     def _forget(self) -> None:
         """Drop the current actor; its pid stays readable until the next spawn."""
@@ -384,12 +378,15 @@ def _close_and_kill(
 ) -> None:
     """Let an actor close its envs (up to ``timeout_s``), kill it, wait for a local one to go."""
     ray = _ray()
-    try:
-        if timeout_s > 0:
+    if timeout_s > 0:
+        try:
             ray.wait([actor.close.remote()], timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the actor is dead or Ray is gone
+            logger.debug("env %d: close: %s", env_index, exc)
+    try:
         ray.kill(actor, no_restart=True)
     except Exception as exc:  # noqa: BLE001 - already gone, or Ray shut down
-        logger.debug("env %d: retiring an actor: %s", env_index, exc)
+        logger.debug("env %d: ray.kill: %s", env_index, exc)
         return
     if local_pid is not None:
         _wait_gone(local_pid, _REAP_TIMEOUT_S)
