@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import signal
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -17,7 +18,8 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from multienv import MultiEnv, RecyclePolicy
-from multienv.procfs import resident_mb
+from multienv.procfs import process_table, resident_mb
+from multienv.worker import OS_NAME_PREFIX
 from tests.conftest import Layout, live_workers
 from tests.envs import CountingEnv, FixedLengthEnv, LeakyEnv
 
@@ -219,3 +221,41 @@ def test_ray_actor_over_the_hard_memory_cap_is_killed_with_cause_rss(ray_cluster
         assert causes
         assert set(causes) == {"rss"}
         assert envs.stats()[0]["restarts"] == len(causes)
+
+
+@pytest.mark.timeout(60)
+def test_a_replacement_killed_while_it_waits_is_replaced_by_a_fresh_one_at_the_swap():
+    # max_episodes=1: the replacement starts with the worker; kill it, then reach a boundary.
+    fns = [functools.partial(FixedLengthEnv, 4)]
+    with MultiEnv(fns, recycle=RecyclePolicy(max_episodes=1)) as envs:
+        envs.reset(seed=0)
+        envs.step(np.zeros(1, dtype=np.int64))  # the standby is started before this step
+        current = envs.envs[0].pid
+        standbys = wait_for_standbys(current)
+        for pid in standbys:
+            os.kill(pid, signal.SIGKILL)
+        recycled = 0
+        for _ in range(12):
+            _obs, _rewards, _terminated, truncated, infos = envs.step(np.zeros(1, dtype=np.int64))
+            assert not truncated.any()  # a dead standby is nobody's episode
+            recycled += int(infos.get("multienv", {}).get("_recycled", [False])[0])
+        stats = envs.stats()[0]
+        assert stats["restarts"] == 0
+        assert stats["recycles"] == recycled >= 2
+        assert envs.envs[0].pid not in {current, *standbys}
+    assert live_workers() == []
+
+
+def wait_for_standbys(current_pid, within_s=10.0):
+    """The pids of the other workers of env 0 (its standby), once one is running."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        found = [
+            entry.pid
+            for entry in process_table().values()
+            if entry.name == f"{OS_NAME_PREFIX}0" and entry.pid != current_pid
+        ]
+        if found:
+            return found
+        time.sleep(0.02)
+    raise AssertionError("no standby worker appeared")
