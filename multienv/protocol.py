@@ -84,6 +84,8 @@ class Order:
         slot: The shared observation slot to write into, or None to return the observation.
         np_random: A generator the env takes before the reset (a recycled env's, passed
             on so that its episodes continue the same random stream).
+        keep_np_random: If the step ends the episode, return the env's ``np_random`` with
+            it (a worker due for recycling, so that the swap needs no call to fetch it).
     """
 
     position: int
@@ -94,6 +96,7 @@ class Order:
     options: dict[str, Any] | None = None
     slot: int | None = None
     np_random: Any = None
+    keep_np_random: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,6 +114,8 @@ class Outcome:
         info: The step's or reset's info.
         reset: ``(obs, info)`` of the worker's same-step autoreset, when it did one.
         failure: The env raised; everything else is meaningless.
+        np_random: The env's generator after a step that ended its episode, when the order
+            asked to keep it.
     """
 
     obs: Any = None
@@ -120,6 +125,7 @@ class Outcome:
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     reset: tuple[Any, dict[str, Any]] | None = None
     failure: RemoteFailure | None = None
+    np_random: Any = None
 
 
 @dataclasses.dataclass
@@ -136,6 +142,7 @@ class Batch:
         options: Per item, the reset's options; None for no options at all.
         is_whole: The items are all the worker's envs, in order (positions 0 to k-1).
         np_randoms: Per item, a generator the env takes before its reset; None for none.
+        keep_np_randoms: Return the ``np_random`` of each env whose episode the step ends.
     """
 
     positions: list[int] | np.ndarray
@@ -146,6 +153,7 @@ class Batch:
     options: list[dict[str, Any] | None] | None = None
     is_whole: bool = False
     np_randoms: list[Any] | None = None
+    keep_np_randoms: bool = False
 
     def orders(self) -> list[Order]:
         """The batch as one ``Order`` per item, for the pickled path."""
@@ -158,6 +166,7 @@ class Batch:
                 None if self.seeds is None else self.seeds[item],
                 None if self.options is None else self.options[item],
                 np_random=None if self.np_randoms is None else self.np_randoms[item],
+                keep_np_random=self.keep_np_randoms,
             )
             for item, position in enumerate(self.positions)
         ]
@@ -236,8 +245,10 @@ def unpack_outcomes(outcomes: list[Outcome]) -> BatchResult:
             extras[item] = outcome
         else:
             obs[item] = outcome.obs
-            if outcome.info or outcome.failure is not None:
-                extras[item] = Outcome(info=outcome.info, failure=outcome.failure)
+            if outcome.info or outcome.failure is not None or outcome.np_random is not None:
+                extras[item] = Outcome(
+                    info=outcome.info, failure=outcome.failure, np_random=outcome.np_random
+                )
     return BatchResult(rewards, terminated, truncated, obs, extras)
 
 
@@ -366,7 +377,7 @@ class RemoteTraceback(Exception):
 
 FAST_BATCH = 0x01  # bytes([FAST_BATCH, seq]) + one FAST_ITEM per order
 FAST_ITEM = struct.Struct("<HB")  # position, flags
-IS_RESET, IS_AUTORESET, IS_SLOT_1 = 1, 2, 4  # the flags of a FAST_ITEM
+IS_RESET, IS_AUTORESET, IS_SLOT_1, IS_KEEP_NP_RANDOM = 1, 2, 4, 8  # the flags of a FAST_ITEM
 DONE_RECORD = struct.Struct("<HBB")  # worker_index, seq, DONE_OK or DONE_REPLY; atomic in a pipe
 DONE_OK = 0  # everything is in shared memory
 DONE_REPLY = 1  # a framed Reply follows on the worker's own pipe: {position: Outcome}

@@ -337,6 +337,7 @@ class WorkerSupervisor:
         self._recycle_reason: str | None = None  # the limit the worker has reached
         self._recycled: dict[int, str] = {}  # positions whose next reset a recycle started
         self._rngs: dict[int, Any] = {}  # their old envs' np_random, for those resets
+        self._end_rngs: dict[int, Any] = {}  # np_random as the last step ended the episode
         self._is_holding_autoreset = False  # the batch in flight was sent without it
         self._born_at = (0, 0)  # the steps and episodes counted when the worker started
         self._rss_mb: float | None = None
@@ -458,7 +459,7 @@ class WorkerSupervisor:
             self._state is not EnvState.READY
             or self._pending is not None
             or self._lost
-            or (self._recycle is not None and self._watch_recycle())
+            or (self._recycle is not None and (self._watch_recycle() or self._has_standby))
         ):
             self.submit(plan.batch(env_slice))
             return
@@ -573,6 +574,7 @@ class WorkerSupervisor:
         if self._pending is not None:
             self._discard_pending()
         request = Request(command, position, payload)
+        self._end_rngs.clear()  # the call may draw from a generator
         deadline = self._batch_deadline(steps, 0) if steps else None
         self._pending = _Pending(None, None, None, {}, request, deadline, time.perf_counter())
         self.handle.submit(request)
@@ -760,7 +762,9 @@ class WorkerSupervisor:
         assert policy is not None
         self._is_holding_autoreset = False  # a death may have left it set
         if not self._watch_recycle():
-            return self._with_rngs(batch) if self._rngs else batch
+            if self._rngs:
+                batch = self._with_rngs(batch)
+            return self._keeping_rngs(batch) if self._has_standby else batch
         if policy.is_over_hard_cap(self._rss_mb):
             logger.warning(
                 "%s: worker pid %s holds %.0f MiB, over hard_rss_mb=%g; killing it",
@@ -781,8 +785,21 @@ class WorkerSupervisor:
             return self._with_rngs(batch)
         if batch.autoreset:  # same-step: let episodes end unreset, so the swap can follow
             self._is_holding_autoreset = True
-            return dataclasses.replace(batch, autoreset=False)
-        return batch
+            batch = dataclasses.replace(batch, autoreset=False)
+        return self._keeping_rngs(batch)
+
+    def _keeping_rngs(self, batch: Batch) -> Batch:
+        """The batch, asking each env whose episode it ends for its ``np_random``.
+
+        Sent while a replacement waits, so that a swap at the boundary takes the generators
+        from the step that ended the episodes instead of fetching them in a round trip. A
+        same-step autoreset would draw from the generator first, so those batches do not ask.
+        """
+        for position in batch.positions:
+            self._end_rngs.pop(position, None)  # the env runs again: its generator moves on
+        if batch.autoreset:
+            return batch
+        return dataclasses.replace(batch, keep_np_randoms=True)
 
     def _with_rngs(self, batch: Batch) -> Batch:
         """The batch, its resets carrying the np_random of the envs a recycle replaced."""
@@ -796,6 +813,10 @@ class WorkerSupervisor:
 
     def _recycle_after(self, batch: Batch, result: BatchResult) -> None:
         """After a batch: flag the resets a recycle started; hand held same-step resets back."""
+        if batch.keep_np_randoms:
+            for item, extra in result.extras.items():
+                if extra.np_random is not None:
+                    self._end_rngs[batch.positions[item]] = extra.np_random
         if self._is_holding_autoreset:
             # Sent without same-step autoreset: the vector resets each ended episode (as
             # after a crash); when every env of the worker ended, the swap comes first.
@@ -828,7 +849,11 @@ class WorkerSupervisor:
         """Replace the worker by its (pre-started) successor; every env is at a boundary."""
         began = time.perf_counter()
         old_pid = self.handle.pid
-        rngs = [self._get_rng(position) for position in range(len(self.env_indices))]
+        kept, self._end_rngs = self._end_rngs, {}
+        rngs = [
+            kept[position] if position in kept else self._get_rng(position)
+            for position in range(len(self.env_indices))
+        ]
         self.handle.retire()
         self._spawn()
         cause = self._handshake()
@@ -883,6 +908,7 @@ class WorkerSupervisor:
         self._rss_mb = None
         self._next_rss_check = 0.0
         self._has_standby = False
+        self._end_rngs.clear()
         self._init_deadline = (
             None if self._init_timeout is None else time.monotonic() + self._init_timeout
         )

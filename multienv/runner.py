@@ -111,7 +111,10 @@ class EnvRunner:
                     self.envs[order.position].set_wrapper_attr("np_random", order.np_random)
                 obs, info = self.reset(order.position, order.seed, order.options)
                 return Outcome(obs, info=info)
-            return self.step(order.position, order.action, order.autoreset)
+            outcome = self.step(order.position, order.action, order.autoreset)
+            if order.keep_np_random and (outcome.terminated or outcome.truncated):
+                outcome.np_random = np_random_or_none(self.envs[order.position])
+            return outcome
         except Exception as exc:  # noqa: BLE001 - reported for this env only
             return Outcome(failure=package_failure(exc, order.position))
 
@@ -333,6 +336,14 @@ def _state_method(env: gym.Env[Any, Any], name: str) -> Callable[..., Any] | Non
     except AttributeError:
         return None
     return method if callable(method) else None
+
+
+def np_random_or_none(env: gym.Env[Any, Any]) -> Any:
+    """The env's ``np_random``, or None for an env without one (an old-API env, say)."""
+    try:
+        return env.get_wrapper_attr("np_random")
+    except Exception:  # noqa: BLE001 - without it the next worker's env keeps its own stream
+        return None
 
 
 def _picklable_or_none(value: Any) -> Any:

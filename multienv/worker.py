@@ -28,6 +28,7 @@ from multienv.protocol import (
     DONE_REPLY,
     FAST_BATCH,
     IS_AUTORESET,
+    IS_KEEP_NP_RANDOM,
     IS_RESET,
     IS_SLOT_1,
     Command,
@@ -45,6 +46,7 @@ from multienv.runner import (
     BuildError,
     EnvRunner,
     encode_reply,
+    np_random_or_none,
     package_failure,
 )
 from multienv.shared_memory import BatchLayout, SlotWriter
@@ -218,6 +220,9 @@ class _Loop:
                 continue
             if info:
                 extras[position] = Outcome(info=info)
+            if flags & IS_KEEP_NP_RANDOM and (terminated or truncated):
+                outcome = extras.setdefault(position, Outcome())
+                outcome.np_random = np_random_or_none(envs[position])
             writer.write_obs(position, (flags & IS_SLOT_1) >> 2, obs)
             done_positions.append(position)
             rewards.append(reward)

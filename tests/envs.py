@@ -379,6 +379,17 @@ class FixedLengthEnv(CountingEnv):
         return obs, 1.0, terminated, truncated, info
 
 
+class NoisyFixedLengthEnv(FixedLengthEnv):
+    """``FixedLengthEnv`` whose observation adds a draw from ``np_random`` on every call."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.observation_space = gym.spaces.Box(0, 1000, shape=(2,), dtype=np.float32)
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.count, self.np_random.random()], dtype=np.float32)
+
+
 class OldApiEnv:
     """A pre-0.26 Gym env, without gym: ``reset()`` -> obs, ``step`` -> 4-tuple, ``seed()``.
 
