@@ -47,6 +47,7 @@ from multienv.protocol import (
     FAST_BATCH,
     FAST_ITEM,
     IS_AUTORESET,
+    IS_KEEP_NP_RANDOM,
     IS_SLOT_1,
     PLANNED_OK,
     Batch,
@@ -85,6 +86,7 @@ _PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
 _STDERR_TAIL_LINES = 30
 _STANDBY_READY_S = 60.0  # a standby worker slower than this to build its envs is replaced
 _RETIRE_TIMEOUT_S = 5.0  # a retired worker may take this long to close its envs
+_STANDBY_LAUNCH_S = 10.0  # close() waits this long for a standby's launch to finish
 _ITEM_DTYPE = np.dtype([("position", "<u2"), ("flags", "u1")])  # FAST_ITEM, as numpy
 assert _ITEM_DTYPE.itemsize == FAST_ITEM.size
 _DONE_OK_REPLY = Reply()  # what a DONE_OK record stands for
@@ -138,25 +140,34 @@ def _checked_preload(preload: Sequence[str], env_index: int) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class _Launched:
-    """A started worker process, with the parent's ends of its pipes.
-
-    A standby's ``waiter`` thread waits for its envs and keeps the ``ready`` reply (None if
-    the worker died or was too slow), so that taking it over costs no wait.
-    """
+    """A started worker process, with the parent's ends of its pipes."""
 
     process: BaseProcess
     conn: Connection
     reader: MessageReader
     stderr_tail: deque[str]
     stderr_pump: threading.Thread
+
+
+@dataclasses.dataclass
+class _Standby:
+    """A recycle's replacement worker, started ahead by its ``waiter`` thread.
+
+    The thread launches the process (a fork through the forkserver takes milliseconds, too
+    long for the step that asks for it), waits for its envs and attaches it to the vector's
+    shared memory, so that taking it over costs no wait. ``ready`` keeps the worker's first
+    reply; it stays None if the worker died or was too slow.
+    """
+
     waiter: threading.Thread | None = None
+    launched: _Launched | None = None
     ready: Reply | None = None
 
 
 def _await_ready(
     launched: _Launched, deadline: float, link: tuple[Any, int, int, int] | None
-) -> None:
-    """A standby's waiter: keep the worker's first reply, unless it dies or ``deadline`` passes.
+) -> Reply | None:
+    """A standby's first reply, unless it dies or ``deadline`` passes (then None).
 
     A worker of a vector with shared memory is attached to it here too (``link``).
     """
@@ -177,10 +188,10 @@ def _await_ready(
 
     ready = receive()
     if isinstance(ready, Death):
-        return
+        return None
     if link is not None and ready.failure is None and _attach(launched.conn, link, receive):
-        return
-    launched.ready = ready
+        return None
+    return ready
 
 
 def _attach(
@@ -301,7 +312,7 @@ class ProcessHandle:
         self._stderr_pump: threading.Thread | None = None
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self._is_closing = threading.Event()
-        self._standby: _Launched | None = None  # a recycle's replacement, started ahead
+        self._standby: _Standby | None = None  # a recycle's replacement, started ahead
         self._ready_reply: Reply | None = None  # a standby's, for the handshake after spawn
         self._reaped: list[threading.Event] = []  # set when a retired worker is gone
         # Set by SubprocessLink: the vector's shared memory and this worker's place in it.
@@ -336,16 +347,18 @@ class ProcessHandle:
     def spawn(self) -> None:
         """Start a new worker process (or take the standby); its envs are built meanwhile."""
         self._release()
-        launched, self._standby = self._standby, None
-        if launched is not None:
-            assert launched.waiter is not None
-            launched.waiter.join()  # at once if its envs are built: it started ahead
-            if launched.ready is None:  # it died or is stuck: start afresh
+        standby, self._standby = self._standby, None
+        launched, ready = None, None
+        if standby is not None:
+            assert standby.waiter is not None
+            standby.waiter.join()  # at once if its envs are built: it started ahead
+            launched, ready = standby.launched, standby.ready
+            if launched is not None and ready is None:  # it died or is stuck: start afresh
                 _stop_process(launched.process, launched.conn, launched.stderr_pump, 0.0)
                 launched = None
         if launched is None:
             launched = self._launch()
-        self._ready_reply = launched.ready
+        self._ready_reply = ready
         process = launched.process
         self._process, self._conn, self._pid = process, launched.conn, process.pid
         self._fd = launched.conn.fileno()
@@ -362,19 +375,28 @@ class ProcessHandle:
     def prestart(self) -> None:
         """Start a standby worker, which the next ``spawn()`` takes over; idempotent."""
         if self._standby is None and not self._is_closing.is_set():
-            standby = self._launch()
+            standby = _Standby()
             standby.waiter = threading.Thread(
-                target=_await_ready,
-                args=(
-                    standby,
-                    time.monotonic() + _STANDBY_READY_S,
-                    None if self._shared is None else self._link_payload(standby.process.pid or 0),
-                ),
+                target=self._start_standby,
+                args=(standby,),
                 name=f"multienv-standby-{self._env_index}",
                 daemon=True,
             )
             standby.waiter.start()
             self._standby = standby
+
+    def _start_standby(self, standby: _Standby) -> None:
+        """The standby's waiter: launch it, wait for its envs, attach it to the vector."""
+        try:
+            launched = self._launch()
+        except Exception:
+            logger.debug("env %d: the standby worker did not start", self._env_index, exc_info=True)
+            return
+        standby.launched = launched
+        if self._is_closing.is_set():
+            return  # stop() stops it
+        link = None if self._shared is None else self._link_payload(launched.process.pid or 0)
+        standby.ready = _await_ready(launched, time.monotonic() + _STANDBY_READY_S, link)
 
     def retire(self) -> None:
         """Ask the current worker to close its envs and exit; reaped on a background thread.
@@ -456,9 +478,14 @@ class ProcessHandle:
         began = time.monotonic()
         standby, self._standby = self._standby, None
         if standby is not None:
-            _stop_process(standby.process, standby.conn, standby.stderr_pump, 0.0)
-            if standby.waiter is not None:
-                standby.waiter.join(1.0)
+            launched = standby.launched
+            if launched is not None:  # closing its pipe also ends the waiter's wait
+                _stop_process(launched.process, launched.conn, launched.stderr_pump, 0.0)
+            assert standby.waiter is not None
+            standby.waiter.join(_STANDBY_LAUNCH_S)
+            if launched is None and standby.launched is not None:  # it was being launched
+                launched = standby.launched
+                _stop_process(launched.process, launched.conn, launched.stderr_pump, 0.0)
         process, conn, pump = self._process, self._conn, self._stderr_pump
         if process is not None and conn is not None:
             # The fields stay set meanwhile: a thread waiting on this worker sees it go,
@@ -534,14 +561,16 @@ class ProcessHandle:
                     batch.actions
                 )[steps]
         self._seq = self._notify_seq = self._seq % 255 + 1
-        autoreset = IS_AUTORESET if batch.autoreset else 0
+        common = (IS_AUTORESET if batch.autoreset else 0) | (
+            IS_KEEP_NP_RANDOM if batch.keep_np_randoms else 0
+        )
         if size == 1:
-            flags = int(is_reset[0]) | autoreset | (IS_SLOT_1 * int(slots[0]))
+            flags = int(is_reset[0]) | common | (IS_SLOT_1 * int(slots[0]))
             body = bytes((FAST_BATCH, self._seq)) + FAST_ITEM.pack(batch.positions[0], flags)
         else:
             items = np.empty(size, dtype=_ITEM_DTYPE)
             items["position"] = batch.positions
-            items["flags"] = is_reset.view(np.uint8) | autoreset | (slots.view(np.uint8) << 2)
+            items["flags"] = is_reset.view(np.uint8) | common | (slots.view(np.uint8) << 2)
             body = bytes((FAST_BATCH, self._seq)) + items.tobytes()
         self._send(frame(body))
 
