@@ -41,6 +41,7 @@ from a2c import (
     parse_args,
     restart_policy,
     rollout_gradients,
+    split_by_envs,
     total_restarts,
 )
 
@@ -52,7 +53,8 @@ class A3CArgs(Args):
     learners: int = 4  # learner threads, each with its own envs
     envs_per_learner: int = 2  # worker processes per learner (num_envs is learners times this)
     n_steps: int = 8  # steps per env between one learner's updates
-    learning_rate: float = 7e-4  # Adam step size; updates are more frequent than in A2C
+    learning_rate: float = 7e-4  # Adam step size
+    updates_per_rollout: int = 1  # each learner's rollout is already small: one update
 
 
 def learner(
@@ -75,12 +77,13 @@ def learner(
         rollout, obs = collect_rollout(
             envs, actor, critic, obs, episode_returns, args.n_steps, rng, recorder, chaos
         )
-        actor_grads, critic_grads, step_losses = rollout_gradients(actor, critic, rollout, args)
-        with update_lock:
-            anneal(args, recorder.env_steps, optimizers)
-            optimizers[0].step(actor_grads)
-            optimizers[1].step(critic_grads)
-            losses.update(step_losses)
+        for part in split_by_envs(rollout, args.updates_per_rollout):
+            actor_grads, critic_grads, step_losses = rollout_gradients(actor, critic, part, args)
+            with update_lock:
+                anneal(args, recorder.env_steps, optimizers)
+                optimizers[0].step(actor_grads)
+                optimizers[1].step(critic_grads)
+                losses.update(step_losses)
 
 
 def main(args: A3CArgs) -> int:

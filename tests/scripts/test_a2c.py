@@ -67,6 +67,38 @@ def test_nstep_returns_without_episode_end_discount_the_bootstrap():
     assert returns[:, 0] == pytest.approx([1 + 0.9 * (1 + 0.9 * 10), 1 + 0.9 * 10])
 
 
+def test_split_by_envs_partitions_the_rollout_and_keeps_each_env_whole():
+    rng = np.random.default_rng(0)
+    n_steps, num_envs = 3, 5
+    shape = (n_steps, num_envs)
+    rollout = a2c.Rollout(
+        rng.normal(size=(*shape, 4)),
+        rng.integers(0, 2, shape),
+        rng.normal(size=shape),
+        rng.random(shape) < 0.3,
+        rng.random(shape) < 0.3,
+        rng.normal(size=shape),
+        rng.normal(size=num_envs),
+        rng.random(shape) < 0.3,
+    )
+    parts = a2c.split_by_envs(rollout, 2)
+    assert [part.bootstrap.shape[0] for part in parts] == [3, 2]
+    for name in ("obs", "actions", "rewards", "terminations", "truncations", "crashed"):
+        joined = np.concatenate([getattr(part, name) for part in parts], axis=1)
+        np.testing.assert_array_equal(joined, getattr(rollout, name), err_msg=name)
+    np.testing.assert_array_equal(
+        np.concatenate([part.bootstrap for part in parts]), rollout.bootstrap
+    )
+
+    def returns(r):
+        return a2c.nstep_returns(
+            r.rewards, r.terminations, r.truncations, r.final_values, r.bootstrap, 0.9, r.crashed
+        )
+
+    np.testing.assert_allclose(np.concatenate([returns(p) for p in parts], 1), returns(rollout))
+    assert a2c.split_by_envs(rollout, 1)[0] is rollout
+
+
 def test_mlp_backward_matches_finite_differences():
     rng = np.random.default_rng(0)
     net = a2c.MLP([3, 5, 4, 2], rng, out_scale=1.0)
