@@ -353,9 +353,10 @@ class ProcessHandle:
             assert standby.waiter is not None
             standby.waiter.join()  # at once if its envs are built: it started ahead
             launched, ready = standby.launched, standby.ready
-            if launched is not None and ready is None:  # it died or is stuck: start afresh
+            # Dead or stuck before it was ready, or died since: start afresh.
+            if launched is not None and (ready is None or launched.process.exitcode is not None):
                 _stop_process(launched.process, launched.conn, launched.stderr_pump, 0.0)
-                launched = None
+                launched, ready = None, None
         if launched is None:
             launched = self._launch()
         self._ready_reply = ready

@@ -236,6 +236,7 @@ def test_a_replacement_killed_while_it_waits_is_replaced_by_a_fresh_one_at_the_s
         standbys = wait_for_standbys(current)
         for pid in standbys:
             os.kill(pid, signal.SIGKILL)
+        wait_until_dead(standbys)  # a kill takes a moment; one landing mid-swap is a death
         recycled = 0
         for _ in range(12):
             _obs, _rewards, _terminated, truncated, infos = envs.step(np.zeros(1, dtype=np.int64))
@@ -246,6 +247,17 @@ def test_a_replacement_killed_while_it_waits_is_replaced_by_a_fresh_one_at_the_s
         assert stats["recycles"] == recycled >= 2
         assert envs.envs[0].pid not in {current, *standbys}
     assert live_workers() == []
+
+
+def wait_until_dead(pids, within_s=10.0):
+    """Wait until every process in ``pids`` is a zombie or gone."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        table = process_table()
+        if all(pid not in table or table[pid].state == "Z" for pid in pids):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{pids} still alive {within_s} s after SIGKILL")
 
 
 def wait_for_standbys(current_pid, within_s=10.0):
