@@ -934,6 +934,8 @@ class WorkerSupervisor:
     def _respawn(self, cause: str) -> None:
         """Replace a dead worker, under the restart budget, until one is ready."""
         while True:
+            if self._is_closing.is_set():  # a worker seen dying as close() stops it
+                raise ClosedEnvironmentError(f"{self._envs_text()}: closed during a respawn.")
             self._bury(cause)
             self._spawn()
             next_cause = self._handshake()

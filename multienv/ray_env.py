@@ -348,10 +348,15 @@ class ActorHandle:
 
     # ----------------------------------------------------------------- internals
 
+    def _closed_while_waiting(self) -> ClosedEnvironmentError:
+        return ClosedEnvironmentError(f"env {self._env_index}: closed while a call was waiting.")
+
     def _wait(self, deadline: float | None) -> Any:
         """The value of the call in flight, or the actor's death (a timeout kills it)."""
         ray, ref = _ray(), self.in_flight
         if ref is None:
+            if self._is_closing.is_set():  # stop() dropped the call; not a death
+                raise self._closed_while_waiting()
             return Death("unknown")
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
@@ -363,7 +368,7 @@ class ActorHandle:
             logger.debug("env %d: Ray actor pid %s: %s", self._env_index, self._pid, exc)
             value = Death(death_cause(exc))
         if self._is_closing.is_set():
-            raise ClosedEnvironmentError(f"env {self._env_index}: closed while a call was waiting.")
+            raise self._closed_while_waiting()
         self.in_flight = None
         if isinstance(value, Death) and value.cause == "timeout":
             logger.info(  # the supervisor logs the death at WARNING
