@@ -38,6 +38,17 @@ def live_workers(wait_s: float = 3.0) -> list[int]:
     return found
 
 
+def wait_until_dead(pids, within_s=10.0):
+    """Wait until every process in ``pids`` is a zombie or gone."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        table = process_table()
+        if all(pid not in table or table[pid].state == "Z" for pid in pids):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{pids} still alive {within_s} s after SIGKILL")
+
+
 RAY_ACTOR_TITLE = "ray::MultienvWorker"  # what Ray calls the processes of our actors
 
 

@@ -26,7 +26,7 @@ from multienv import (
     RestartPolicy,
     create_ray_envs,
 )
-from tests.conftest import live_actors
+from tests.conftest import live_actors, wait_until_dead
 from tests.envs import CountingEnv, RaiseOnStep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +92,7 @@ def test_ray_kill_of_an_actor_truncates_its_envs_and_a_new_actor_takes_over(ray_
         envs.step(np.ones(4, dtype=np.int64))
         old_pid = envs.envs[2].pid
         ray_cluster.kill(envs.envs[2].supervisor.handle._actor, no_restart=True)
+        wait_until_dead([old_pid])  # ray.kill returns before the actor is gone
         obs, rewards, _, truncations, infos = envs.step(np.ones(4, dtype=np.int64))
         assert truncations.tolist() == [False, False, True, True]
         assert infos["multienv"]["cause"][2:].tolist() == ["ray.kill", "ray.kill"]

@@ -20,7 +20,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from multienv import MultiEnv, RecyclePolicy
 from multienv.procfs import process_table, resident_mb
 from multienv.worker import OS_NAME_PREFIX
-from tests.conftest import Layout, live_workers
+from tests.conftest import Layout, live_workers, wait_until_dead
 from tests.envs import CountingEnv, FixedLengthEnv, LeakyEnv, NoisyFixedLengthEnv
 
 MODES = list(AutoresetMode)
@@ -247,17 +247,6 @@ def test_a_replacement_killed_while_it_waits_is_replaced_by_a_fresh_one_at_the_s
         assert stats["recycles"] == recycled >= 2
         assert envs.envs[0].pid not in {current, *standbys}
     assert live_workers() == []
-
-
-def wait_until_dead(pids, within_s=10.0):
-    """Wait until every process in ``pids`` is a zombie or gone."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        table = process_table()
-        if all(pid not in table or table[pid].state == "Z" for pid in pids):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{pids} still alive {within_s} s after SIGKILL")
 
 
 def wait_for_standbys(current_pid, within_s=10.0):
