@@ -274,6 +274,7 @@ def test_send_recv_partial_batches(layout):
 @pytest.mark.fault
 @layouts
 def test_close_is_bounded_and_leaves_no_process_fd_or_shared_memory(layout):
+    MultiEnv([CountingEnv], **layout.options).close()  # the forkserver's fds stay: start it
     fds_before = open_fds()
     shm_before = set(os.listdir("/dev/shm"))
     fns = [CountingEnv] * N
