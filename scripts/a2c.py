@@ -525,17 +525,10 @@ def split_by_envs(rollout: Rollout, parts: int) -> list[Rollout]:
     """
     if parts <= 1:
         return [rollout]
-    groups = np.array_split(np.arange(rollout.bootstrap.shape[0]), parts)
+    arrays = [getattr(rollout, field.name) for field in dataclasses.fields(Rollout)]
     return [
-        Rollout(
-            **{
-                field.name: getattr(rollout, field.name)[..., group]
-                if getattr(rollout, field.name).ndim < 3
-                else getattr(rollout, field.name)[:, group]
-                for field in dataclasses.fields(Rollout)
-            }
-        )
-        for group in groups
+        Rollout(*(array[:, group] if array.ndim > 1 else array[group] for array in arrays))
+        for group in np.array_split(np.arange(rollout.bootstrap.shape[0]), parts)
         if group.size
     ]
 
