@@ -74,9 +74,10 @@ CASES = [
 def test_recycling_is_invisible_next_to_sync_vector_env(layout, mode, factory):
     n = 6
     fns = [factory] * n
-    ours = MultiEnv(
-        fns, autoreset_mode=mode, recycle=RecyclePolicy(max_episodes=2), **layout.options
-    )
+    # k + 1 episodes: the replacement starts after the first boundary and the swap follows
+    # the second, so the step that ends the budget brings the generators back itself.
+    policy = RecyclePolicy(max_episodes=layout.k + 1)
+    ours = MultiEnv(fns, autoreset_mode=mode, recycle=policy, **layout.options)
     ref = SyncVectorEnv(fns, autoreset_mode=mode)
     try:
         first_pids = {proxy.pid for proxy in ours.envs}
