@@ -15,12 +15,16 @@ from multienv.procfs import process_table
 from multienv.worker import OS_NAME_PREFIX
 
 
-def _descendant_workers() -> list[int]:
-    """Pids of live multienv workers descended from this process (found through /proc)."""
+def descendant_workers(name: str | None = None) -> list[int]:
+    """Pids of live multienv workers descended from this process (found through /proc).
+
+    ``name``: only the workers of that process name (``OS_NAME_PREFIX`` and an env index).
+    Other processes' workers are never counted, nor killed by a test that looks here.
+    """
     me, table = os.getpid(), process_table()
     found = []
     for pid, entry in table.items():
-        if not entry.name.startswith(OS_NAME_PREFIX):
+        if not entry.name.startswith(OS_NAME_PREFIX) or name not in (None, entry.name):
             continue
         ancestor = entry.ppid
         while ancestor > 1 and ancestor != me:
@@ -33,7 +37,7 @@ def _descendant_workers() -> list[int]:
 def live_workers(wait_s: float = 3.0) -> list[int]:
     """Workers still alive after giving exiting ones ``wait_s`` seconds to go."""
     deadline = time.monotonic() + wait_s
-    while (found := _descendant_workers()) and time.monotonic() < deadline:
+    while (found := descendant_workers()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return found
 

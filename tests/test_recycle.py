@@ -18,9 +18,9 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from multienv import MultiEnv, RecyclePolicy
-from multienv.procfs import process_table, resident_mb
+from multienv.procfs import resident_mb
 from multienv.worker import OS_NAME_PREFIX
-from tests.conftest import Layout, live_workers, wait_until_dead
+from tests.conftest import Layout, descendant_workers, live_workers, wait_until_dead
 from tests.envs import CountingEnv, FixedLengthEnv, LeakyEnv, NoisyFixedLengthEnv
 
 MODES = list(AutoresetMode)
@@ -254,11 +254,7 @@ def wait_for_standbys(current_pid, within_s=10.0):
     """The pids of the other workers of env 0 (its standby), once one is running."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        found = [
-            entry.pid
-            for entry in process_table().values()
-            if entry.name == f"{OS_NAME_PREFIX}0" and entry.pid != current_pid
-        ]
+        found = [pid for pid in descendant_workers(f"{OS_NAME_PREFIX}0") if pid != current_pid]
         if found:
             return found
         time.sleep(0.02)
