@@ -148,6 +148,10 @@ class _Launched:
     stderr_tail: deque[str]
     stderr_pump: threading.Thread
 
+    def kill(self) -> None:
+        """Stop a worker no one took over, at once: CLOSE, then kill, then reap."""
+        _stop_process(self.process, self.conn, self.stderr_pump, 0.0)
+
 
 @dataclasses.dataclass
 class _Standby:
@@ -355,7 +359,7 @@ class ProcessHandle:
             launched, ready = standby.launched, standby.ready
             # Dead or stuck before it was ready, or died since: start afresh.
             if launched is not None and (ready is None or launched.process.exitcode is not None):
-                _stop_process(launched.process, launched.conn, launched.stderr_pump, 0.0)
+                launched.kill()
                 launched, ready = None, None
         if launched is None:
             launched = self._launch()
@@ -481,12 +485,11 @@ class ProcessHandle:
         if standby is not None:
             launched = standby.launched
             if launched is not None:  # closing its pipe also ends the waiter's wait
-                _stop_process(launched.process, launched.conn, launched.stderr_pump, 0.0)
+                launched.kill()
             assert standby.waiter is not None
             standby.waiter.join(_STANDBY_LAUNCH_S)
             if launched is None and standby.launched is not None:  # it was being launched
-                launched = standby.launched
-                _stop_process(launched.process, launched.conn, launched.stderr_pump, 0.0)
+                standby.launched.kill()
         process, conn, pump = self._process, self._conn, self._stderr_pump
         if process is not None and conn is not None:
             # The fields stay set meanwhile: a thread waiting on this worker sees it go,
