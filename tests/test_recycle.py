@@ -210,6 +210,21 @@ def test_a_death_while_a_replacement_waits_respawns_into_it_and_leaves_nothing_b
     assert live_workers() == []
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.01, 0.05])
+def test_close_while_a_replacement_is_being_launched_leaves_nothing_behind(delay_s):
+    # max_episodes=1: the reset already starts the replacement on a background thread, so
+    # close() meets it anywhere from forking to building its envs, depending on the delay.
+    fns = [functools.partial(FixedLengthEnv, 5)] * 2
+    envs = MultiEnv(fns, recycle=RecyclePolicy(max_episodes=1))
+    envs.reset(seed=0)
+    time.sleep(delay_s)
+    began = time.monotonic()
+    envs.close()
+    assert time.monotonic() - began < 15.0
+    assert live_workers() == []
+
+
 @pytest.mark.timeout(120)
 def test_ray_actor_over_the_hard_memory_cap_is_killed_with_cause_rss(ray_cluster):
     policy = RecyclePolicy(hard_rss_mb=400, check_every_s=0.01)
