@@ -11,9 +11,9 @@ from multienv.errors import (
     MultiEnvError,
 )
 from multienv.evaluation import EvaluationResult, evaluate
+from multienv.lifecycle import EnvState
 from multienv.multi_env import MultiEnv
 from multienv.protocol import EnvSnapshot, RemoteTraceback
-from multienv.proxy import EnvState
 from multienv.ray_env import RayEnv, RayOptions, create_ray_envs
 from multienv.recycle import RecyclePolicy
 from multienv.registration import make_vec

@@ -1,4 +1,4 @@
-"""PARENT SIDE: a vector's autoreset bookkeeping, which gives its envs Gymnasium 1.x semantics.
+"""BOTH SIDES: the autoreset rule, the only copy: Gymnasium 1.x semantics for a vector's envs.
 
 The three modes match ``gymnasium.vector.AutoresetMode`` exactly, env by env:
 
@@ -11,21 +11,68 @@ The three modes match ``gymnasium.vector.AutoresetMode`` exactly, env by env:
 - DISABLED: nothing is reset; stepping a finished env is an error until the caller resets it
   (``MultiEnv.reset(options={"reset_mask": ...})``).
 
+The worker's half is ``step_env``: step, and under SAME_STEP reset a finished episode in the
+same round trip. The vector's half is ``Autoreset``: which envs reset at their next step
+(NEXT_STEP), which steps are misuse (DISABLED), and the infos the caller sees
+(``same_step_info``).
+
 A worker crash during a step arrives here as a plain truncation, so each mode handles it
 like any time limit. Under SAME_STEP the worker could not reset in the same trip, so the
-vector resets that env itself (``needs_sync_reset``), and the ``info["multienv"]`` flag is
+vector resets that env itself (``step_info`` says so), and the ``info["multienv"]`` flag is
 also lifted to the top level, where the caller looks first.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from multienv.errors import EnvStateError
 from multienv.protocol import Outcome
+
+# A worker's step: obs, reward, terminated, truncated, info, and (final_obs, final_info) when
+# the step ended the episode and a same-step autoreset started the next one (else None).
+Stepped = tuple[Any, Any, bool, bool, dict[str, Any], "tuple[Any, dict[str, Any]] | None"]
+
+
+def step_env(
+    env: gym.Env[Any, Any],
+    position: int,
+    action: Any,
+    is_same_step: bool,
+    check: Callable[[int, Any], None],
+) -> Stepped:
+    """WORKER SIDE: step one env; under same-step autoreset, reset it if the episode ended.
+
+    Args:
+        env: The env.
+        position: Its place in its worker, for ``check``.
+        action: The action.
+        is_same_step: Same-step autoreset is on.
+        check: Checks an observation of the env at a position against its space (raises).
+    """
+    obs, reward, terminated, truncated, info = env.step(action)
+    check(position, obs)
+    if is_same_step and (terminated or truncated):
+        new_obs, new_info = env.reset()
+        check(position, new_obs)
+        return new_obs, reward, terminated, truncated, new_info, (obs, info)
+    return obs, reward, terminated, truncated, info, None
+
+
+def same_step_info(
+    final_obs: Any, final_info: dict[str, Any], reset_info: dict[str, Any]
+) -> dict[str, Any]:
+    """The info a SAME_STEP step that ended an episode reports, Gymnasium's way."""
+    merged: dict[str, Any] = {"final_obs": final_obs, "final_info": final_info}
+    if "multienv" in final_info:  # a crash's flag, where the caller looks first
+        merged["multienv"] = final_info["multienv"]
+    merged.update(reset_info)
+    return merged
 
 
 class Autoreset:
@@ -81,17 +128,4 @@ class Autoreset:
             return extra.info, False
         if extra.reset is None:  # a crash: the worker could not reset in the same trip
             return extra.info, True
-        merged: dict[str, Any] = {"final_obs": extra.obs, "final_info": extra.info}
-        merged.update(extra.reset[1])
-        return merged, False
-
-    @staticmethod
-    def crash_info(
-        final_obs: Any, info: dict[str, Any], reset_info: dict[str, Any]
-    ) -> dict[str, Any]:
-        """The SAME_STEP info of a step a crash ended, after the vector reset the env."""
-        merged: dict[str, Any] = {"final_obs": final_obs, "final_info": info}
-        if "multienv" in info:
-            merged["multienv"] = info["multienv"]
-        merged.update(reset_info)
-        return merged
+        return same_step_info(extra.obs, extra.info, extra.reset[1]), False

@@ -15,7 +15,9 @@ from typing import Any, TypeVar
 
 import cloudpickle
 
-from multienv.proxy import RemoteEnv, WorkerHandle, WorkerSupervisor
+from multienv.env_proxy import RemoteEnv
+from multienv.handles import Backend, WorkerHandle
+from multienv.supervisor import WorkerSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ def supervise(
     env_fns: Sequence[Callable[[], Any]],
     first_env_index: int,
     make_handle: Callable[[list[bytes]], WorkerHandle],
+    backend: Backend,
     **supervisor_options: Any,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories, and build one worker's supervisor.
@@ -57,6 +60,7 @@ def supervise(
         env_fns: The worker's env factories, by position.
         first_env_index: The vector index of its first env, for messages.
         make_handle: Builds the backend's handle from the pickled factories.
+        backend: The backend the handle belongs to.
         **supervisor_options: ``WorkerSupervisor``'s keyword options (timeouts, policies).
     """
     check_timeouts(
@@ -71,7 +75,7 @@ def supervise(
         pickle_env_fn(env_fn, env_index)
         for env_fn, env_index in zip(env_fns, env_indices, strict=True)
     ]
-    return WorkerSupervisor(make_handle(env_fn_bytes), env_indices, **supervisor_options)
+    return WorkerSupervisor(make_handle(env_fn_bytes), env_indices, backend, **supervisor_options)
 
 
 def create_envs(

@@ -1,86 +1,53 @@
 """VECTOR API: MultiEnv, a ``gymnasium.vector.VectorEnv`` over env proxies, run in parallel.
 
-``MultiEnv`` knows its envs only through the backend-neutral seam of ``multienv.proxy``:
-each worker's ``WorkerSupervisor`` takes one ``Batch`` (the steps and resets of its envs)
-and returns one ``BatchResult``; the backend's ``VectorLink`` waits on many workers at once
-and serves batched observations when they live in shared memory. Pipes, pids and signals
-stay in the backend. A step costs one request and one reply per worker, however many envs
-it hosts, and calls fan out by slices of workers: one task per slice sends to every worker
-of the slice, then collects every reply (the first slice runs in the caller's thread).
+A call flows one way: ``vector_checks`` (input checked before anything is sent) ->
+``fan_out`` (one batch per worker, by slices of workers) -> each worker's
+``WorkerSupervisor`` and its handle -> ``assembly`` (the batch and infos returned).
+``MultiEnv`` knows its envs only through the seam of ``multienv.handles``; it names no
+backend (``handles.find_backend`` looks them up by name), and pipes, pids and signals stay
+in the backend.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from copy import deepcopy
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import (
-    batch_differing_spaces,
-    batch_space,
-    concatenate,
-    create_empty_array,
-    iterate,
-)
+from gymnasium.vector.utils import batch_differing_spaces, batch_space
 
-from multienv import planning
+from multienv import planning, vector_checks
+from multienv.assembly import Assembly, StepBatch
 from multienv.autoreset import Autoreset
+from multienv.env_proxy import RemoteEnv
 from multienv.errors import (
     EnvError,
     EnvStateError,
     NoPendingCallError,
     PendingCallError,
-    SpaceMismatchError,
     WaitTimeoutError,
 )
-from multienv.protocol import Batch, BatchResult, EnvSnapshot, StepPlan
-from multienv.proxy import EnvState, RemoteEnv, VectorLink, WorkerSupervisor
+from multienv.fan_out import (
+    FanOut,
+    MakeBatch,
+    Outcome,
+    WorkerGroup,
+    collect_slices,
+    finish,
+    group_by_worker,
+)
+from multienv.handles import SharedMemoryLink, find_backend, keyword_options
+from multienv.protocol import Batch, EnvSnapshot, StepPlan
 
 logger = logging.getLogger(__name__)
-
-# Where each backend's ``create_*_envs(env_fns, envs_per_worker=..., **options)`` lives;
-# imported only when used, so MultiEnv imports no transport.
-_BACKENDS = {
-    "subprocess": "multienv.subprocess_env:create_subprocess_envs",
-    "ray": "multienv.ray_env:create_ray_envs",
-}
-
-_ARRAY_ACTION_SPACES = (
-    gym.spaces.Box,
-    gym.spaces.Discrete,
-    gym.spaces.MultiDiscrete,
-    gym.spaces.MultiBinary,
-)
-
-
-@dataclasses.dataclass
-class _Worker:
-    """One worker's envs in this vector."""
-
-    supervisor: WorkerSupervisor
-    env_ids: list[int]  # vector indices, ascending
-    positions: list[int]  # their places in the worker
-    index: Any  # env_ids as a slice when contiguous, else an index array
-    position_array: Any = None  # positions as an index array
-    is_whole: bool = False  # all of the worker's envs are here, in position order
-    position_of: dict[int, int] = dataclasses.field(default_factory=dict)  # by env index
-
-
-# What one worker's batch came back as: its result and errors by env index, or one error
-# (e.g. EnvCrashLoopError) for all of its envs.
-_Collected = tuple[BatchResult | None, dict[int, BaseException]]
-_SliceOutcome = dict[int, _Collected]  # by worker number
 
 
 class MultiEnv(VectorEnv[Any, Any, Any]):
@@ -185,11 +152,17 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     "only when MultiEnv builds the envs from factories."
                 )
             proxies: list[Any] = items
-            _check_ready(proxies)
+            vector_checks.check_ready(proxies)
         elif not any(is_proxy):
+            chosen = find_backend(backend)
+            vector_checks.check_options(
+                "MultiEnv",
+                options,
+                chosen.options | (keyword_options(MultiEnv.__init__) - {"self", "envs", "options"}),
+            )
             if not daemon and backend == "subprocess":
                 options["daemon"] = False
-            proxies = _create_envs(backend, items, envs_per_worker=envs_per_worker, **options)
+            proxies = chosen.create_envs(items, envs_per_worker=envs_per_worker, **options)
         else:
             first = is_proxy.index(not is_proxy[0])
             raise TypeError(
@@ -207,32 +180,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
     def _adopt(self, proxies: list[RemoteEnv], num_threads: int | None) -> None:
         first = proxies[0]
         mode = self.observation_mode
-        for env_index, proxy in enumerate(proxies):
-            space = proxy.observation_space
-            if mode == "same" and space != first.observation_space:
-                raise SpaceMismatchError(
-                    f"env {env_index}: observation_space {space!r} differs from env 0's "
-                    f"{first.observation_space!r}: the sub-environments observation spaces are "
-                    "not equivalent. MultiEnv(..., observation_mode='same') needs them equal. If "
-                    "this is intentional, use `observation_mode='different'` instead.",
-                    env_index=env_index,
-                )
-            if proxy.action_space != first.action_space:
-                raise SpaceMismatchError(
-                    f"env {env_index}: action_space {proxy.action_space!r} differs from env 0's "
-                    f"{first.action_space!r}; all envs of a MultiEnv must have the same action "
-                    "space.",
-                    env_index=env_index,
-                )
-            single = mode[1] if isinstance(mode, tuple) else first.observation_space
-            if mode != "same" and not _same_shape(space, single):
-                given = "'different'" if mode == "different" else "custom space"
-                raise SpaceMismatchError(
-                    f"MultiEnv(..., observation_mode={given}) however env {env_index}'s "
-                    f"observation space {space!r} does not share a common shape and dtype "
-                    f"with {single!r}.",
-                    env_index=env_index,
-                )
+        vector_checks.check_spaces(proxies, mode)
         self.envs: list[Any] = proxies
         self.num_envs = len(proxies)
         self.metadata = dict(first.metadata)
@@ -252,70 +200,58 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             if any(space != spaces[0] for space in spaces):
                 shared_memory = False  # one slot layout cannot hold them all
 
-        self._workers = _group_by_worker(proxies)
+        supervisors = [proxy.supervisor for proxy in proxies]
+        groups = self._groups = _groups(proxies)
         self._worker_of = [0] * self.num_envs
-        for number, worker in enumerate(self._workers):
-            for env_index in worker.env_ids:
+        for number, group in enumerate(groups):
+            for env_index in group.env_ids:
                 self._worker_of[env_index] = number
-        self._autoreset = Autoreset(self.autoreset_mode, self.num_envs)
-        self._env_obs: list[Any] = [None] * self.num_envs
-        self._observations: Any = create_empty_array(
-            self.single_observation_space, n=self.num_envs, fn=np.zeros
-        )
-        self._rewards = np.zeros(self.num_envs, dtype=np.float64)
-        self._terminations = np.zeros(self.num_envs, dtype=np.bool_)
-        self._truncations = np.zeros(self.num_envs, dtype=np.bool_)
-        threads = num_threads or 1
-        if threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads!r}")
-        self._slices = [
-            list(map(int, part))
-            for part in np.array_split(
-                np.arange(len(self._workers)), min(threads, len(self._workers))
-            )
-        ]
-        self._executor = ThreadPoolExecutor(
-            max_workers=len(self._slices), thread_name_prefix="multienv"
-        )
-        self._pending: list[Future[_SliceOutcome]] | None = None  # step_async()
-        self._pending_reset: tuple[list[Future[_SliceOutcome]], np.ndarray] | None = None
-        self._plan: StepPlan | None = None  # the planned step in flight, if it is one
-        self._flying: dict[int, list[int]] = {}  # workers sent a batch by send(): its envs
-        self._received: dict[int, tuple[Any, ...]] = {}  # envs collected, not yet returned
-        supervisors = [worker.supervisor for worker in self._workers]
+        self._fan_out = FanOut(groups, num_threads or 1)
         env_indices = []
-        for worker in self._workers:
-            indices = [-1] * len(worker.supervisor.env_indices)
-            for env_index, position in zip(worker.env_ids, worker.positions, strict=True):
+        for group in groups:
+            indices = [-1] * group.supervisor.num_envs
+            for env_index, position in zip(group.env_ids, group.positions, strict=True):
                 indices[position] = env_index
-                worker.supervisor.env_indices[position] = env_index
+                group.supervisor.env_indices[position] = env_index
                 proxies[env_index].env_index = env_index
             env_indices.append(indices)
-        self._link: VectorLink = supervisors[0].handle.open_link(
-            [supervisor.handle for supervisor in supervisors],
+        self._link = supervisors[0].backend.open_link(
+            [group.supervisor.handle for group in groups],
             (self.single_observation_space, self.single_action_space),
             env_indices,
-            self._slices,
+            self._fan_out.slices,
             shared_memory,
         )
         try:
-            for supervisor in supervisors:
-                supervisor.join_link()
+            for group in groups:
+                group.supervisor.join_link()
         except BaseException:
             self._link.close()
             raise
-        # Planned steps (one vector op for all envs) need each worker's envs as one slice,
-        # in position order; the workers' step counters then become views of these.
-        self._can_plan = all(
-            worker.is_whole and isinstance(worker.index, slice) for worker in self._workers
+        self._fan_out.link = self._link
+        self._autoreset = Autoreset(self.autoreset_mode, self.num_envs)
+        self._assembly = Assembly(
+            self.single_observation_space,
+            self.num_envs,
+            self._link,
+            self._autoreset,
+            self.copy,
+            self._reset_after_crash,
         )
-        self._steps = np.zeros(self.num_envs, dtype=np.int64)
-        self._episodes = np.zeros(self.num_envs, dtype=np.int64)
+        self._pending: list[Future[Outcome]] | None = None  # step_async()
+        self._pending_reset: tuple[list[Future[Outcome]], np.ndarray] | None = None
+        self._plan: StepPlan | None = None  # the planned step in flight, if it is one
+        self._flying: dict[int, list[int]] = {}  # workers sent a batch by send(): its envs
+        self._received: dict[int, tuple[Any, ...]] = {}  # envs collected, not yet returned
+        # Planned steps (one vector op for all envs) need each worker's envs as one slice,
+        # in position order, and a link that plans; the workers' counters then become views.
+        self._plan_link = self._link if isinstance(self._link, SharedMemoryLink) else None
+        self._can_plan = self._plan_link is not None and all(
+            group.is_whole and isinstance(group.index, slice) for group in groups
+        )
         if self._can_plan:
-            for worker in self._workers:
-                supervisor, index = worker.supervisor, worker.index
-                self._steps[index], self._episodes[index] = supervisor.steps, supervisor.episodes
-                supervisor.steps, supervisor.episodes = self._steps[index], self._episodes[index]
+            for group in groups:
+                self._assembly.counters.adopt(group.supervisor.stats, group.index)
 
     # ----------------------------------------------------------------- vector API
 
@@ -336,9 +272,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         """
         self._check_idle("reset")
         make_batch, mask = self._prepare_reset(seed, options)
-        return self._finish_reset(
-            self._gather(self._fan_out(range(len(self._workers)), make_batch)), mask
-        )
+        return self._finish_reset(self._fan_out.run(make_batch), mask)
 
     def reset_async(
         self,
@@ -351,7 +285,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         """
         self._check_idle("reset_async")
         make_batch, mask = self._prepare_reset(seed, options)
-        self._pending_reset = (self._submit_slices(make_batch), mask)
+        self._pending_reset = (self._fan_out.submit_slices(make_batch), mask)
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """Wait for the reset sent by ``reset_async()``.
@@ -371,21 +305,19 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 "Calling `reset_wait` without any prior call to `reset_async`.", "reset"
             )
         futures, mask = self._pending_reset
-        outcome = _collect_slices(futures, timeout, "reset")
+        outcome = collect_slices(futures, timeout, "reset")
         self._pending_reset = None
         return self._finish_reset(outcome, mask)
 
-    def _prepare_reset(
-        self, seed: Any, options: Any
-    ) -> tuple[Callable[[_Worker], Batch | None], np.ndarray]:
+    def _prepare_reset(self, seed: Any, options: Any) -> tuple[MakeBatch, np.ndarray]:
         """Check a reset's arguments; the batch of each worker, and the mask of envs reset."""
-        seeds = self._seeds(seed)
-        per_env = self._options_per_env(options)
-        mask = self._reset_mask(per_env.pop() if per_env else None)
+        seeds = vector_checks.seeds(seed, self.num_envs)
+        per_env, given_mask = vector_checks.options_per_env(options, self.num_envs)
+        mask = vector_checks.reset_mask(given_mask, self.num_envs)
         has_seeds = any(s is not None for s in seeds)
         has_options = any(item is not None for item in per_env)
 
-        def make_batch(worker: _Worker) -> Batch | None:
+        def make_batch(worker: WorkerGroup) -> Batch | None:
             chosen = [k for k, env_index in enumerate(worker.env_ids) if mask[env_index]]
             if not chosen:
                 return None
@@ -400,45 +332,33 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
         return make_batch, mask
 
-    def _finish_reset(self, outcome: _SliceOutcome, mask: np.ndarray) -> tuple[Any, dict[str, Any]]:
+    def _finish_reset(self, outcome: Outcome, mask: np.ndarray) -> tuple[Any, dict[str, Any]]:
         """The reset's batched observations and infos; raises the lowest env's error, if any."""
-        infos: dict[str, Any] = {}
-        errors: dict[int, BaseException] = {}
-        for number, worker in enumerate(self._workers):
-            if number not in outcome:
-                continue
-            result, worker_errors = outcome[number]
-            errors.update(worker_errors)
-            if result is None:
-                continue
-            ids = [env_index for env_index in worker.env_ids if mask[env_index]]
-            self._autoreset.after_reset([i for i in ids if i not in worker_errors])
-            for item, env_index in enumerate(ids):
-                if env_index in worker_errors:
-                    continue
-                if result.obs is not None:
-                    self._env_obs[env_index] = result.obs[item]
-                extra = result.extras.get(item)
-                if extra is not None and extra.info:
-                    infos = self._add_info(infos, extra.info, env_index)
+        observations, infos, errors = self._assembly.reset_batch(outcome, self._groups, mask)
         if errors:
             self._raise_first(errors)
-        return self._batched_obs(), infos
+        return observations, infos
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Step every env with its action; see the module docstring of ``autoreset``."""
         make_batch = self._prepare_step(actions)
         if self._is_limited():
-            return self._finish_step(self._step_limited(make_batch))
-        return self._finish_step(self._gather(self._fan_out(range(len(self._workers)), make_batch)))
+            assert self.max_concurrency is not None
+            return self._finish_step(self._fan_out.run_limited(make_batch, self.max_concurrency))
+        return self._finish_step(self._fan_out.run(make_batch))
 
     def step_async(self, actions: Any) -> None:
         """Send a step to every env and return at once; ``step_wait()`` collects it."""
         make_batch = self._prepare_step(actions, "step_async")
         if self._is_limited():
-            self._pending = [self._executor.submit(self._step_limited, make_batch)]
+            assert self.max_concurrency is not None
+            self._pending = [
+                self._fan_out.executor.submit(
+                    self._fan_out.run_limited, make_batch, self.max_concurrency
+                )
+            ]
             return
-        self._pending = self._submit_slices(make_batch)
+        self._pending = self._fan_out.submit_slices(make_batch)
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Wait for the step sent by ``step_async()``.
@@ -451,7 +371,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise NoPendingCallError(
                 "Calling `step_wait` without any prior call to `step_async`.", "step"
             )
-        outcome = _collect_slices(self._pending, timeout, "step")
+        outcome = collect_slices(self._pending, timeout, "step")
         self._pending = None
         return self._finish_step(outcome)
 
@@ -482,7 +402,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise ClosedEnvironmentError("MultiEnv.send() called after close().")
         if self._pending is not None:
             raise EnvStateError("MultiEnv.send() called while a step_async() is pending.")
-        ids = self._env_ids(env_ids)
+        in_flight = {i for ids_ in self._flying.values() for i in ids_} | set(self._received)
+        ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, in_flight)
         batch_actions = self._split_actions(actions, ids)
         self._autoreset.check_can_step(ids)
         by_worker: dict[int, list[int]] = {}
@@ -497,7 +418,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     env_index=env_index,
                 )
         for number, where in sorted(by_worker.items()):
-            worker = self._workers[number]
+            worker = self._groups[number]
             env_list = [ids[p] for p in where]
             positions = [worker.position_of[env_index] for env_index in env_list]
             batch = Batch(
@@ -537,11 +458,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self._received) < size:
             flying = sorted(self._flying)
-            supervisors = [self._workers[n].supervisor for n in flying]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = self._link.wait_any(
-                [s.handle for s in supervisors], [s.deadline for s in supervisors], left
-            )
+            ready = self._fan_out.wait_any(flying, left)
             if not ready:
                 raise WaitTimeoutError(
                     f"recv() timed out after {timeout} s with {len(self._received)} of the "
@@ -550,33 +468,13 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             collected = {}
             for k in ready:
                 number = flying[k]
-                collected[number] = _finish(self._workers[number])
-            errors = self._receive(collected)
+                collected[number] = finish(self._groups[number])
+            errors = self._assembly.receive(collected, self._flying, self._received)
             if errors:
                 self._raise_first(errors)
         ids = sorted(list(self._received)[:size])
         rows = [self._received.pop(env_index) for env_index in ids]
-        infos: dict[str, Any] = {}
-        partial = _PartialInfos(size)
-        for position, row in enumerate(rows):
-            if row[3]:
-                infos = partial._add_info(infos, row[3], position)  # type: ignore[misc]
-        infos["env_id"] = np.asarray(ids, dtype=np.int64)
-        observations: Any
-        if self._link.has_shared_obs:
-            observations = self._link.observations(ids, copy=True)
-        else:
-            observations = create_empty_array(self.single_observation_space, n=size, fn=np.zeros)
-            observations = concatenate(
-                self.single_observation_space, [self._env_obs[i] for i in ids], observations
-            )
-        return (
-            observations,
-            np.array([row[0] for row in rows], dtype=np.float64),
-            np.array([row[1] for row in rows], dtype=np.bool_),
-            np.array([row[2] for row in rows], dtype=np.bool_),
-            infos,
-        )
+        return self._assembly.partial_batch(ids, rows)
 
     def render(self) -> tuple[Any, ...]:
         """Return every env's ``render()`` result."""
@@ -681,9 +579,9 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             states = self.get_states()
         return planning.step_batch(self, actions, states, dt)
 
-    def workers_for_planning(self) -> list[_Worker]:
+    def worker_groups(self) -> list[WorkerGroup]:
         """The vector's workers, with their envs' positions (for ``multienv.planning``)."""
-        return self._workers
+        return self._groups
 
     def stats(self) -> list[dict[str, Any]]:
         """Per env: steps, episodes, restarts, recycles, last failure cause, latency p50/p99 (s).
@@ -714,7 +612,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         ``terminate`` and other keywords of ``AsyncVectorEnv.close`` are accepted; the
         workers are always stopped within ``timeout`` (then killed).
         """
-        if "_link" not in self.__dict__:
+        if "_assembly" not in self.__dict__:
             return
         for pending, state in ((self._pending, "step"), (self._pending_reset, "reset")):
             if pending is not None:
@@ -724,17 +622,17 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     stacklevel=3,
                 )
 
-        def close_worker(worker: _Worker) -> None:
+        def close_worker(worker: WorkerGroup) -> None:
             for env_index in worker.env_ids:
                 self.envs[env_index].close(timeout=timeout)
 
         try:
             with ThreadPoolExecutor(
-                max_workers=len(self._workers), thread_name_prefix="multienv-close"
+                max_workers=len(self._groups), thread_name_prefix="multienv-close"
             ) as pool:
-                list(pool.map(close_worker, self._workers))
+                list(pool.map(close_worker, self._groups))
         except RuntimeError:  # the interpreter is shutting down and starts no threads
-            for worker in self._workers:
+            for worker in self._groups:
                 close_worker(worker)
         self._link.close()
         if self._pending is not None:
@@ -743,7 +641,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         if self._pending_reset is not None:
             wait_futures(self._pending_reset[0], timeout=5.0)
             self._pending_reset = None
-        self._executor.shutdown(wait=True)
+        self._fan_out.shutdown()
 
     def __enter__(self) -> MultiEnv:
         """Return self; the envs are closed on exit."""
@@ -755,7 +653,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
     def __del__(self) -> None:
         """Close the envs if the object was fully constructed."""
-        if "_link" in self.__dict__ and not self.closed:
+        if "_assembly" in self.__dict__ and not self.closed:
             self.close(timeout=1.0)
 
     # ----------------------------------------------------------------- internals
@@ -777,53 +675,6 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 "after send(); call recv() until none is left."
             )
 
-    def _env_ids(self, env_ids: Sequence[int] | np.ndarray | None) -> list[int]:
-        if env_ids is None:
-            ids = list(range(self.num_envs))
-        else:
-            ids = [int(i) for i in np.asarray(env_ids).reshape(-1)]
-        if not ids:
-            raise ValueError("send() got no env_ids; pass at least one.")
-        seen: set[int] = set()
-        flying = {i for ids_ in self._flying.values() for i in ids_} | set(self._received)
-        for i in ids:
-            if not 0 <= i < self.num_envs:
-                raise ValueError(f"env {i}: no such env; env_ids must be in [0, {self.num_envs}).")
-            if i in seen:
-                raise ValueError(f"env {i}: appears twice in env_ids; pass each env once.")
-            if i in flying:
-                raise EnvStateError(
-                    f"env {i}: already in flight; recv() it before sending it again.",
-                    env_index=i,
-                )
-            seen.add(i)
-        return ids
-
-    def _receive(self, collected: _SliceOutcome) -> dict[int, BaseException]:
-        """File collected workers' envs under ``_received``, in the order they came in."""
-        errors: dict[int, BaseException] = {}
-        for number, (result, worker_errors) in collected.items():
-            ids = self._flying.pop(number)
-            errors.update(worker_errors)
-            if result is None:
-                continue
-            self._autoreset.after_step(ids, result.terminated, result.truncated)
-            for item, env_index in enumerate(ids):
-                if env_index in worker_errors:
-                    continue
-                if result.obs is not None:
-                    self._env_obs[env_index] = result.obs[item]
-                info: dict[str, Any] = {}
-                terminated, truncated = bool(result.terminated[item]), bool(result.truncated[item])
-                extra = result.extras.get(item)
-                if extra is not None:
-                    info, must_reset = self._autoreset.step_info(extra, terminated or truncated)
-                    if must_reset:
-                        info = self._reset_after_crash(env_index, info)
-                reward = float(result.rewards[item])
-                self._received[env_index] = (reward, terminated, truncated, info)
-        return errors
-
     def _raise_first(self, errors: dict[int, BaseException]) -> None:
         first, *others = sorted(errors)
         for env_index in others:
@@ -833,117 +684,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
     def _is_limited(self) -> bool:
         return self.max_concurrency is not None and self.max_concurrency < self.num_envs
 
-    def _step_limited(
-        self, make_batch: Callable[[_Worker], Batch | StepPlan | None]
-    ) -> _SliceOutcome:
-        """Step every worker with at most ``max_concurrency`` envs in flight."""
-        assert self.max_concurrency is not None
-        queue = list(range(len(self._workers)))
-        running: list[int] = []
-        outcome: _SliceOutcome = {}
-        while queue or running:
-            while queue and (
-                not running
-                or sum(len(self._workers[n].env_ids) for n in running)
-                + len(self._workers[queue[0]].env_ids)
-                <= self.max_concurrency
-            ):
-                number = queue.pop(0)
-                worker = self._workers[number]
-                try:
-                    _submit(worker, make_batch(worker))
-                    running.append(number)
-                except Exception as exc:  # noqa: BLE001 - raised by _gather, lowest index first
-                    outcome[number] = (None, dict.fromkeys(worker.env_ids, exc))
-            if not running:
-                break
-            supervisors = [self._workers[n].supervisor for n in running]
-            ready = self._link.wait_any(
-                [s.handle for s in supervisors], [s.deadline for s in supervisors], None
-            )
-            for k in ready:
-                outcome[running[k]] = _finish(self._workers[running[k]])
-            running = [n for k, n in enumerate(running) if k not in ready]
-        return outcome
-
-    def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
-        """One seed per env (Python ints: numpy integers are converted), checked."""
-        if seed is None:
-            return [None] * self.num_envs
-        if isinstance(seed, int | np.integer):
-            return [int(seed) + i for i in range(self.num_envs)]
-        if isinstance(seed, str | bytes) or not isinstance(seed, Sequence | np.ndarray):
-            raise TypeError(
-                f"reset() seed must be None, an int or one seed per env, got {type(seed).__name__}."
-            )
-        seeds = list(seed)
-        if len(seeds) != self.num_envs:
-            raise ValueError(
-                f"reset() got {len(seeds)} seeds for {self.num_envs} envs; pass one seed per "
-                "env, a single int, or None."
-            )
-        for env_index, item in enumerate(seeds):
-            if item is not None and not isinstance(item, int | np.integer):
-                raise TypeError(
-                    f"env {env_index}: reset() seed must be an int or None, got "
-                    f"{type(item).__name__}."
-                )
-        return [None if item is None else int(item) for item in seeds]
-
-    def _options_per_env(self, options: Any) -> list[Any]:
-        """Each env's reset options, then the reset mask last (None: every env)."""
-        n = self.num_envs
-        if options is None:
-            return [None] * n + [None]
-        if isinstance(options, dict):
-            shared = dict(options)
-            mask = shared.pop("reset_mask", None)
-            return [shared or None] * n + [mask]
-        if isinstance(options, str | bytes) or not isinstance(options, Sequence):
-            raise TypeError(
-                f"reset() options must be a dict or a list of {n} dicts (one per env), got "
-                f"{type(options).__name__}."
-            )
-        per_env = list(options)
-        if len(per_env) != n:
-            raise ValueError(
-                f"reset() got options for {len(per_env)} envs, but there are {n}; pass one "
-                f"dict (or None) per env, or one dict for all."
-            )
-        for env_index, item in enumerate(per_env):
-            if item is not None and not isinstance(item, dict):
-                raise TypeError(
-                    f"env {env_index}: reset() options must be a dict or None, got "
-                    f"{type(item).__name__}."
-                )
-            if item is not None and "reset_mask" in item:
-                raise ValueError(
-                    f"env {env_index}: reset_mask goes in one options dict for all envs, not "
-                    "in a per-env list."
-                )
-        return [*per_env, None]
-
-    def _reset_mask(self, mask: Any) -> np.ndarray:
-        if mask is None:
-            return np.ones(self.num_envs, dtype=np.bool_)
-        if not isinstance(mask, np.ndarray):
-            raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
-        if mask.dtype != np.bool_:
-            raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}")
-        if mask.shape != (self.num_envs,):
-            raise ValueError(
-                f"`options['reset_mask']` must have shape `({self.num_envs},)`, got {mask.shape}."
-            )
-        if not mask.any():
-            raise ValueError(
-                "`options['reset_mask']` must contain a boolean array with at least one True "
-                f"value, got reset_mask={mask}"
-            )
-        return mask
-
-    def _prepare_step(
-        self, actions: Any, name: str = "step"
-    ) -> Callable[[_Worker], Batch | StepPlan | None]:
+    def _prepare_step(self, actions: Any, name: str = "step") -> MakeBatch:
         """Check the actions and the envs; return how to make each worker's batch."""
         self._check_idle(name)
         batch_actions = self._split_actions(actions, None)
@@ -953,12 +694,13 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         is_same_step = autoreset.is_same_step
 
         if self._can_plan and isinstance(batch_actions, np.ndarray):
-            plan = self._link.plan_step(batch_actions, resets, is_same_step)
+            assert self._plan_link is not None
+            plan = self._plan_link.plan_step(batch_actions, resets, is_same_step)
             if plan is not None:
                 self._plan = plan
                 return lambda worker: plan
 
-        def make_batch(worker: _Worker) -> Batch:
+        def make_batch(worker: WorkerGroup) -> Batch:
             return Batch(
                 worker.position_array,
                 resets[worker.index],
@@ -974,99 +716,14 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
     def _split_actions(self, actions: Any, env_ids: list[int] | None) -> Any:
         """The actions as one array (array spaces) or list, checked; errors name the env."""
         ids = list(range(self.num_envs)) if env_ids is None else env_ids
-        n, space = len(ids), self.single_action_space
-        if not isinstance(space, _ARRAY_ACTION_SPACES):
-            batch_space_n = self.action_space if n == self.num_envs else batch_space(space, n)
-            try:
-                per_env = list(iterate(batch_space_n, actions))
-            except Exception as exc:  # whatever iterate makes of a bad batch
-                raise TypeError(
-                    f"expected a batch of {n} actions in {batch_space_n!r}; iterating it "
-                    f"raised {type(exc).__name__}: {exc}"
-                ) from exc
-            if len(per_env) != n:
-                raise ValueError(f"expected {n} actions (one per env), got {len(per_env)}.")
-            return per_env
-        if isinstance(actions, np.ndarray) and actions.shape == (n, *(space.shape or ())):
-            batch = actions  # the usual case; the checks below only name what is wrong
-        else:
-            self._check_action_shapes(actions, ids)
-            batch = np.asarray(actions)
-        if isinstance(space, gym.spaces.Discrete | gym.spaces.MultiDiscrete) and not (
-            np.issubdtype(batch.dtype, np.integer)
-        ):
-            raise ValueError(f"expected integer actions for {space!r}, got dtype {batch.dtype}.")
-        return batch
+        return vector_checks.split_actions(
+            actions, ids, self.single_action_space, self.action_space, self.num_envs
+        )
 
-    def _check_action_shapes(self, actions: Any, env_ids: list[int]) -> None:
-        n, space = len(env_ids), self.single_action_space
-        try:
-            count = len(actions)
-        except TypeError:
-            raise TypeError(
-                f"expected a batch of {n} actions (one per env), got a {type(actions).__name__}."
-            ) from None
-        if count != n:
-            raise ValueError(
-                f"expected {n} actions (one per env, batch shape {(n, *(space.shape or ()))}), "
-                f"got {count}."
-            )
-        for position, env_index in enumerate(env_ids):
-            shape = np.shape(actions[position])
-            if shape != space.shape:
-                raise ValueError(
-                    f"env {env_index}: action has shape {shape}; expected {space.shape} "
-                    f"(single_action_space {space!r})."
-                )
-
-    def _finish_step(self, outcome: _SliceOutcome) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    def _finish_step(self, outcome: Outcome) -> StepBatch:
         """Assemble the workers' results into the vector's batch, then raise the first error."""
-        rewards, terminations, truncations = self._rewards, self._terminations, self._truncations
-        infos: dict[str, Any] = {}
-        errors: dict[int, BaseException] = {}
-        autoreset = self._autoreset
         plan, self._plan = self._plan, None
-        clean = [
-            n
-            for n, (result, worker_errors) in outcome.items()
-            if result is None and not worker_errors
-        ]
-        if clean:
-            assert plan is not None
-            if len(clean) == len(self._workers):
-                self._commit(plan, slice(None))  # the usual case: one op for all envs
-            else:
-                for number in clean:
-                    self._commit(plan, self._workers[number].index)
-        for number, (result, worker_errors) in outcome.items():
-            errors.update(worker_errors)
-            if result is None:
-                continue
-            worker = self._workers[number]
-            index = worker.index
-            rewards[index] = result.rewards
-            terminations[index] = result.terminated
-            truncations[index] = result.truncated
-            autoreset.after_step(index, result.terminated, result.truncated)
-            if result.obs is not None:
-                for item, env_index in enumerate(worker.env_ids):
-                    if env_index not in worker_errors:  # an env that raised keeps its obs
-                        self._env_obs[env_index] = result.obs[item]
-            for item, extra in result.extras.items():
-                env_index = worker.env_ids[item]
-                if env_index in worker_errors:
-                    continue
-                is_done = bool(result.terminated[item] or result.truncated[item])
-                info, must_reset = autoreset.step_info(extra, is_done)
-                if must_reset:
-                    info = self._reset_after_crash(env_index, info)
-                if info:
-                    infos = self._add_info(infos, info, env_index)
-        if errors:  # an env that raised did not step: no reward, no flags
-            failed = np.array(sorted(errors))
-            rewards[failed], terminations[failed], truncations[failed] = 0.0, False, False
-            autoreset.after_step(failed, terminations[failed], truncations[failed])
-        batch = self._batched_obs(), rewards.copy(), terminations.copy(), truncations.copy(), infos
+        batch, errors = self._assembly.step_batch(outcome, self._groups, plan)
         if errors:
             for error in errors.values():  # the other envs did step: their results go along
                 if isinstance(error, EnvError):
@@ -1074,230 +731,29 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             self._raise_first(errors)
         return batch
 
-    def _commit(self, plan: StepPlan, index: slice) -> None:
-        """Take the results of envs ``index`` of a planned step from shared memory."""
-        rewards, terminated, truncated = self._link.commit(plan, index)
-        self._rewards[index] = rewards
-        self._terminations[index] = terminated
-        self._truncations[index] = truncated
-        self._autoreset.after_step(index, terminated, truncated)
-        stepped = ~plan.is_reset[index]
-        self._steps[index] += stepped
-        self._episodes[index] += stepped & (terminated | truncated)
-
-    def _reset_after_crash(self, env_index: int, info: dict[str, Any]) -> dict[str, Any]:
-        """SAME_STEP: reset an env whose worker died mid-step; report the crash's final obs."""
+    def _reset_after_crash(self, env_index: int) -> tuple[Any, Any, dict[str, Any]]:
+        """SAME_STEP: reset an env whose worker died mid-step: its final obs, new obs, info."""
         proxy = self.envs[env_index]
         final_obs = proxy.supervisor.read_obs(proxy.position)
         obs, reset_info = proxy.reset()
-        self._env_obs[env_index] = obs
-        return Autoreset.crash_info(final_obs, info, reset_info)
-
-    def _batched_obs(self) -> Any:
-        if self._link.has_shared_obs:
-            return self._link.observations(None, copy=self.copy)
-        self._observations = concatenate(
-            self.single_observation_space, self._env_obs, self._observations
-        )
-        return deepcopy(self._observations) if self.copy else self._observations
-
-    def _submit_slices(
-        self, make_batch: Callable[[_Worker], Batch | StepPlan | None]
-    ) -> list[Future[_SliceOutcome]]:
-        """Run every slice of workers on the pool (``*_async``); ``_collect_slices`` waits."""
-        workers = self._workers
-        return [
-            self._executor.submit(_run_slice, [workers[n] for n in part], part, make_batch)
-            for part in self._slices
-        ]
-
-    def _fan_out(
-        self, numbers: Iterable[int], make_batch: Callable[[_Worker], Batch | StepPlan | None]
-    ) -> list[Future[_SliceOutcome] | _SliceOutcome]:
-        """Send each worker its batch and collect it, by slices; the first slice runs inline."""
-        wanted = set(numbers)
-        parts = [[n for n in part if n in wanted] for part in self._slices]
-        parts = [part for part in parts if part]
-        futures: list[Future[_SliceOutcome] | _SliceOutcome] = [
-            self._executor.submit(_run_slice, [self._workers[n] for n in part], part, make_batch)
-            for part in parts[1:]
-        ]
-        futures.insert(0, _run_slice([self._workers[n] for n in parts[0]], parts[0], make_batch))
-        return futures
-
-    def _gather(self, outcomes: list[Future[_SliceOutcome] | _SliceOutcome]) -> _SliceOutcome:
-        """Wait for every slice, then raise the lowest env index's error, if any."""
-        futures = [o for o in outcomes if isinstance(o, Future)]
-        if futures:
-            wait_futures(futures)
-        merged: _SliceOutcome = {}
-        for outcome in outcomes:
-            merged.update(outcome.result() if isinstance(outcome, Future) else outcome)
-        return merged
+        return final_obs, obs, reset_info
 
     def _map(self, call: Callable[[int], Any]) -> tuple[Any, ...]:
         self._check_idle("call")
-
-        def run(part: list[int]) -> dict[int, Any]:
-            results: dict[int, Any] = {}
-            for number in part:
-                for env_index in self._workers[number].env_ids:
-                    try:
-                        results[env_index] = call(env_index)
-                    except Exception as exc:  # noqa: BLE001 - raised below, lowest index first
-                        results[env_index] = _Failed(exc)
-            return results
-
-        futures = [self._executor.submit(run, part) for part in self._slices[1:]]
-        results = run(self._slices[0])
-        wait_futures(futures)
-        for future in futures:
-            results.update(future.result())
-        errors = {i: r.error for i, r in results.items() if isinstance(r, _Failed)}
+        results, errors = self._fan_out.map(call, self.num_envs)
         if errors:
             self._raise_first(errors)
-        return tuple(results[i] for i in range(self.num_envs))
+        return tuple(results)
 
 
-@dataclasses.dataclass
-class _Failed:
-    error: BaseException
-
-
-class _PartialInfos:
-    """Merges the infos of a partial batch the Gymnasium way, with arrays of its own size."""
-
-    _add_info = VectorEnv._add_info
-
-    def __init__(self, num_envs: int) -> None:
-        self.num_envs = num_envs
+def _groups(proxies: Sequence[RemoteEnv]) -> list[WorkerGroup]:
+    """The vector's workers, in order of their first env."""
+    return group_by_worker(
+        [proxy.supervisor for proxy in proxies], [proxy.position for proxy in proxies]
+    )
 
 
 def _take(values: Any, index: Sequence[int]) -> Any:
     if isinstance(values, np.ndarray):
         return values[list(index)]
     return [values[i] for i in index]
-
-
-def _finish(worker: _Worker) -> _Collected:
-    """Collect one worker's batch: the result with its errors by env index, or one error."""
-    try:
-        result, errors = worker.supervisor.finish()
-    except Exception as exc:  # noqa: BLE001 - raised by the caller, lowest env index first
-        return None, dict.fromkeys(worker.env_ids, exc)
-    return result, {worker.env_ids[item]: error for item, error in errors.items()}
-
-
-def _submit(worker: _Worker, order: Batch | StepPlan | None) -> bool:
-    """Send a worker its batch, or its part of a planned step; False if it has none."""
-    if order is None:
-        return False
-    if isinstance(order, StepPlan):
-        worker.supervisor.submit_planned(order, worker.index)
-    else:
-        worker.supervisor.submit(order)
-    return True
-
-
-def _collect_slices(
-    futures: list[Future[_SliceOutcome]], timeout: float | None, name: str
-) -> _SliceOutcome:
-    """Wait for slices sent by ``step_async`` / ``reset_async``; on expiry they stay in flight.
-
-    Raises:
-        WaitTimeoutError: ``timeout`` passed first (both ``TimeoutError`` and
-            ``multiprocessing.TimeoutError``, as AsyncVectorEnv raises).
-    """
-    _done, not_done = wait_futures(futures, timeout)
-    if not_done:
-        raise WaitTimeoutError(
-            f"The call to `{name}_wait` has timed out after {timeout} second(s) with "
-            f"{len(not_done)} of {len(futures)} slices still running; call {name}_wait() "
-            "again, or close()."
-        )
-    outcome: _SliceOutcome = {}
-    for future in futures:
-        outcome.update(future.result())
-    return outcome
-
-
-def _run_slice(
-    workers: Sequence[_Worker],
-    numbers: Sequence[int],
-    make_batch: Callable[[_Worker], Batch | StepPlan | None],
-) -> _SliceOutcome:
-    """Send every worker of the slice its batch, then collect every reply."""
-    outcome: _SliceOutcome = {}
-    sent = []
-    for number, worker in zip(numbers, workers, strict=True):
-        try:
-            if _submit(worker, make_batch(worker)):
-                sent.append((number, worker))
-        except Exception as exc:  # noqa: BLE001 - raised by the caller, lowest env index first
-            outcome[number] = (None, dict.fromkeys(worker.env_ids, exc))
-    for number, worker in sent:
-        outcome[number] = _finish(worker)
-    return outcome
-
-
-def _create_envs(backend: str, env_fns: list[Any], **options: Any) -> list[RemoteEnv]:
-    """Build ready proxies for ``env_fns`` with the named backend."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}.")
-    module, _, name = _BACKENDS[backend].partition(":")
-    envs: list[RemoteEnv] = getattr(importlib.import_module(module), name)(env_fns, **options)
-    return envs
-
-
-def _group_by_worker(proxies: Sequence[RemoteEnv]) -> list[_Worker]:
-    """The vector's workers, in order of their first env, with their envs in this vector."""
-    workers: dict[int, _Worker] = {}
-    for env_index, proxy in enumerate(proxies):
-        key = id(proxy.supervisor)
-        if key not in workers:
-            workers[key] = _Worker(proxy.supervisor, [], [], None)
-        workers[key].env_ids.append(env_index)
-        workers[key].positions.append(proxy.position)
-    for worker in workers.values():
-        worker.position_array = np.asarray(worker.positions, dtype=np.intp)
-        worker.position_of = dict(zip(worker.env_ids, worker.positions, strict=True))
-        worker.is_whole = worker.positions == list(range(len(worker.supervisor.env_indices)))
-        first, count = worker.env_ids[0], len(worker.env_ids)
-        if worker.env_ids == list(range(first, first + count)):
-            worker.index = slice(first, first + count)
-        else:
-            worker.index = np.asarray(worker.env_ids)
-    return list(workers.values())
-
-
-def _same_shape(space: gym.Space[Any], other: gym.Space[Any]) -> bool:
-    """Whether two observation spaces share their shape and dtype (so they batch together)."""
-    if isinstance(space, gym.spaces.Dict) and isinstance(other, gym.spaces.Dict):
-        return space.spaces.keys() == other.spaces.keys() and all(
-            _same_shape(space[key], other[key]) for key in space.spaces
-        )
-    if isinstance(space, gym.spaces.Tuple) and isinstance(other, gym.spaces.Tuple):
-        return len(space) == len(other) and all(
-            _same_shape(a, b) for a, b in zip(space, other, strict=True)
-        )
-    return type(space) is type(other) and space.shape == other.shape and space.dtype == other.dtype
-
-
-def _check_ready(proxies: Sequence[Any]) -> None:
-    seen: set[int] = set()
-    for env_index, proxy in enumerate(proxies):
-        if not isinstance(proxy, RemoteEnv):
-            raise TypeError(
-                f"env {env_index}: expected a SubprocessEnv (or another multienv proxy) or an "
-                f"env factory, got {type(proxy).__name__}."
-            )
-        if id(proxy) in seen:
-            raise ValueError(f"env {env_index}: the same proxy appears twice; pass each once.")
-        seen.add(id(proxy))
-        state = proxy.state
-        if state is not EnvState.READY:
-            raise EnvStateError(
-                f"env {env_index}: is in state {state.name}; pass ready envs (start() and "
-                "initialize() done, as create_subprocess_envs() returns them).",
-                env_index=env_index,
-            )

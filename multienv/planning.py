@@ -87,7 +87,7 @@ def step_batch(
     count = len(checked)
     action_list = _actions(vec, actions, count)
     steps = _dts(dt, count)
-    workers = vec.workers_for_planning()
+    workers = vec.worker_groups()
     sizes = np.array([len(worker.env_ids) for worker in workers])
     bounds = np.round(count * np.cumsum(sizes) / sizes.sum()).astype(int)
     shares: list[tuple[Any, list[int]]] = []
@@ -107,7 +107,7 @@ def step_batch(
             steps[items].tolist(),
         )
         supervisor = worker.supervisor
-        restarts_before.append(supervisor.proxies[positions[0]].restarts)
+        restarts_before.append(supervisor.stats.restarts)
         supervisor.send_request(positions[0], Command.STEP_PAIRS, pairs, int(steps[items].sum()))
     new_states: list[EnvSnapshot | None] = [None] * count
     obs_list: list[Any] = [None] * count
@@ -132,12 +132,12 @@ def step_batch(
         terminated[span] = results.terminated
         truncated[span] = results.truncated
         infos[span] = results.infos
-        proxy = supervisor.proxies[worker.positions[0]]
-        if proxy.restarts != before:
+        stats = supervisor.stats
+        if stats.restarts != before:
             replay = {
                 "restarted": True,
-                "cause": proxy.last_failure,
-                "restarts": proxy.restarts,
+                "cause": stats.last_failure,
+                "restarts": stats.restarts,
                 "replayed": True,
             }
             for j in items:

@@ -1,19 +1,7 @@
-"""BOTH SIDES, no I/O policy: the wire between the parent and a worker hosting k envs.
+"""WIRE, both sides, no I/O: the typed messages between the parent and a worker hosting k envs.
 
-A worker hosts k envs; each has a ``position`` (0 to k-1) in its worker. Messages are framed
-with a 4-byte length (``write_message`` / ``MessageReader``, straight on the socket's fd, so a
-small message costs one system call each way). Two kinds travel:
-
-- A pickled ``Request`` (plain ``pickle``; multiprocessing's own ``send`` builds a
-  ForkingPickler per message and reads twice, which together cost more than a CartPole
-  step). Its answer is a pickled ``Reply``.
-- A fast batch (``encode_fast_batch``): the steps and resets of some of the worker's envs,
-  whose actions and observations travel in the vector's shared memory. Its first byte is
-  below 0x80, which no pickle of protocol 2 or later starts with. The worker steps them all
-  in one wake-up and answers with one 4-byte DONE record on a "done" pipe shared by the
-  workers one parent thread collects; ``DONE_REPLY`` means a pickled ``Reply`` follows on
-  the worker's own pipe (infos, final observations, errors). ``seq`` (1 to 255) tells a late
-  record of a killed worker from the answer to the current request.
+A worker hosts k envs; each has a ``position`` (0 to k-1) in its worker. This module holds
+the typed messages; how they travel as bytes is ``multienv.framing``.
 
 A worker sends one unsolicited ``Reply`` when it starts: the list of its envs'
 ``EnvDescription`` once all are built, or a ``RemoteFailure`` naming the env whose
@@ -24,11 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-import os
 import pickle
-import struct
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -372,88 +356,6 @@ class RemoteTraceback(Exception):
         """Show the traceback as the worker printed it."""
         return "\n\nworker traceback:\n" + self.traceback_text
 
-
-# ---------------------------------------------------------------- the fast batch
-
-FAST_BATCH = 0x01  # bytes([FAST_BATCH, seq]) + one FAST_ITEM per order
-FAST_ITEM = struct.Struct("<HB")  # position, flags
-IS_RESET, IS_AUTORESET, IS_SLOT_1, IS_KEEP_NP_RANDOM = 1, 2, 4, 8  # the flags of a FAST_ITEM
-DONE_RECORD = struct.Struct("<HBB")  # worker_index, seq, DONE_OK or DONE_REPLY; atomic in a pipe
-DONE_OK = 0  # everything is in shared memory
-DONE_REPLY = 1  # a framed Reply follows on the worker's own pipe: {position: Outcome}
-
-
-def encode_fast_batch(seq: int, items: list[tuple[int, int]]) -> bytes:
-    """The framed request for a fast batch of ``(position, flags)`` items."""
-    body = bytes((FAST_BATCH, seq)) + b"".join([FAST_ITEM.pack(*item) for item in items])
-    return _HEADER.pack(len(body)) + body
-
-
-def decode_fast_batch(request: bytes) -> tuple[int, Iterator[tuple[int, int]]]:
-    """``seq`` and the ``(position, flags)`` items of a fast batch's payload."""
-    return request[1], FAST_ITEM.iter_unpack(memoryview(request)[2:])
-
-
-# ---------------------------------------------------------------- framing
-
-_HEADER = struct.Struct("!I")
-
-
-def frame(payload: bytes) -> bytes:
-    """The bytes that carry ``payload`` on the wire: its length, then itself."""
-    return _HEADER.pack(len(payload)) + payload
-
-
-def write_message(fd: int, payload: bytes) -> None:
-    """Write one message, however many writes it takes."""
-    write_frame(fd, frame(payload))
-
-
-def write_frame(fd: int, data: bytes) -> None:
-    """Write bytes that ``frame()`` made; a small message takes one write."""
-    written = os.write(fd, data)
-    if written < len(data):
-        view = memoryview(data)[written:]
-        while view:
-            view = view[os.write(fd, view) :]
-
-
-class MessageReader:
-    """Reads framed messages from a socket fd; raises EOFError when the other end is gone.
-
-    Args:
-        fd: The socket to read; its owner closes it.
-    """
-
-    def __init__(self, fd: int) -> None:
-        """Start with nothing buffered."""
-        self._fd = fd
-        self._buffer = b""
-
-    def read(self) -> bytes:
-        """Block until one whole message is in, and return its payload."""
-        buffer = self._buffer
-        while len(buffer) < _HEADER.size:
-            buffer += self._read_some(65536)
-        end = _HEADER.size + _HEADER.unpack_from(buffer)[0]
-        if len(buffer) < end:
-            parts, have = [buffer], len(buffer)
-            while have < end:
-                parts.append(self._read_some(end - have))
-                have += len(parts[-1])
-            buffer = b"".join(parts)
-        self._buffer = buffer[end:]
-        return buffer[_HEADER.size : end]
-
-    def _read_some(self, size: int) -> bytes:
-        chunk = os.read(self._fd, size)
-        if not chunk:
-            raise EOFError("the other end of the pipe closed")
-        return chunk
-
-
-encode = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
-decode = pickle.loads
 
 WORKER_MODULE = "multienv.worker"
 

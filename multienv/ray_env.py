@@ -3,7 +3,7 @@
 ``ActorHandle`` is the transport to one Ray actor (``multienv.ray_worker.MultienvWorker``)
 hosting k envs: it creates the actor, sends it pickled requests as Ray tasks, waits for the
 reply or the actor's death with ``ray.wait`` up to the call's deadline (then kills it), and
-kills it. The supervisor of ``multienv.proxy`` does the rest, as for a subprocess.
+kills it. The supervisor of ``multienv.supervisor`` does the rest, as for a subprocess.
 
 Actors are created with ``max_restarts=0`` and ``max_task_retries=0``: Ray's own restart
 re-runs the constructor and would replay queued steps onto a fresh, un-reset env, splicing
@@ -25,25 +25,24 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
-import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 
+from multienv.env_proxy import RemoteEnv
 from multienv.factory import create_envs, supervise
+from multienv.framing import decode, encode
+from multienv.handles import Backend, Death, VectorLink, WorkerHandle, keyword_options
 from multienv.protocol import (
     Batch,
     BatchResult,
     Command,
     Reply,
     Request,
-    StepPlan,
-    decode,
-    encode,
     failed_batch,
     unpack_outcomes,
 )
-from multienv.proxy import Death, RemoteEnv, VectorLink, WorkerHandle, WorkerSupervisor
 from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
+from multienv.supervisor import WorkerSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -182,11 +181,6 @@ class ActorHandle:
         """Ray's id of the node the current actor runs on; None until its envs are built."""
         return self._node_id
 
-    @property
-    def is_linked(self) -> bool:
-        """Observations always come back in replies on this backend."""
-        return False
-
     def stderr_tail(self) -> tuple[str, ...]:
         """Ray's account of the last actor death (its worker logs stay in Ray's log folder)."""
         return self._tail
@@ -317,35 +311,6 @@ class ActorHandle:
             return failed_batch(len(batch.positions), reply.failure, has_obs=True)
         return unpack_outcomes(reply.value)
 
-    def submit_planned(self, plan: StepPlan, env_slice: slice) -> None:
-        """Send a worker's part of a plan as a batch (``RayLink`` plans no steps itself)."""
-        self.submit_batch(plan.batch(env_slice))
-
-    def collect_planned(self, deadline: float | None) -> BatchResult | Death | None:
-        """Wait for a worker's part of a plan; it never lives in shared memory here."""
-        return self.collect_batch(deadline)
-
-    def join_link(self, deadline: float | None) -> Death | None:
-        """Nothing is shared with a vector on this backend."""
-        return None
-
-    def read_obs(self, position: int) -> Any:
-        """None: observations are not in shared memory on this backend."""
-        return None
-
-    def open_link(
-        self,
-        handles: Sequence[WorkerHandle],
-        spaces: tuple[gym.Space[Any], gym.Space[Any]],
-        env_indices: Sequence[Sequence[int]],
-        worker_groups: Sequence[Sequence[int]],
-        shared_memory: bool | None = None,
-    ) -> VectorLink:
-        """Link ``handles`` into one vector: a multi-wait over their actors (no shared memory)."""
-        if not all(isinstance(handle, ActorHandle) for handle in handles):
-            raise TypeError("a vector's envs must all use the same backend")
-        return RayLink()
-
     # ----------------------------------------------------------------- internals
 
     def _closed_while_waiting(self) -> ClosedEnvironmentError:
@@ -415,10 +380,25 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
         time.sleep(0.01)
 
 
+def open_ray_link(
+    handles: Sequence[WorkerHandle],
+    spaces: tuple[gym.Space[Any], gym.Space[Any]],
+    env_indices: Sequence[Sequence[int]],
+    worker_groups: Sequence[Sequence[int]],
+    shared_memory: bool | None,
+) -> VectorLink:
+    """Link ``handles`` into one vector: a multi-wait over their actors (``OpenLink``).
+
+    Nothing is shared with the actors, so the spaces, the layout and ``shared_memory`` do
+    not matter here.
+    """
+    if not all(isinstance(handle, ActorHandle) for handle in handles):
+        raise TypeError("a vector's envs must all use the same backend")
+    return RayLink()
+
+
 class RayLink:
     """A vector's multi-wait over its actors; nothing is shared and no step is planned."""
-
-    has_shared_obs = False
 
     def wait_any(
         self,
@@ -457,18 +437,6 @@ class RayLink:
             if deadline is not None and time.monotonic() >= deadline:
                 return []
 
-    def observations(self, env_ids: Sequence[int] | None, copy: bool) -> Any:
-        """Never called: ``has_shared_obs`` is False."""
-        raise NotImplementedError("observations come back in replies on the Ray backend")
-
-    def plan_step(self, actions: Any, is_reset: np.ndarray, autoreset: bool) -> StepPlan | None:
-        """None: every worker's part is sent as a batch of its own."""
-        return None
-
-    def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Never called: this link plans no steps."""
-        raise NotImplementedError("the Ray backend plans no steps")
-
     def close(self) -> None:
         """Nothing to release."""
 
@@ -480,7 +448,7 @@ class RayEnv(RemoteEnv):
     """A ``gymnasium.Env`` proxy whose env runs in a Ray actor.
 
     Call ``start()`` (returns at once) then ``initialize()`` (waits for the env), or use
-    ``create_ray_envs()``. The failure table is that of ``multienv.proxy``: an actor that is
+    ``create_ray_envs()``. The failure table is that of ``multienv.supervisor``: an actor that is
     killed, whose process dies or whose node is lost comes back as flagged truncations,
     and is replaced by a new actor.
 
@@ -553,6 +521,7 @@ def _supervise(
         env_fns,
         first_env_index,
         lambda env_fn_bytes: ActorHandle(env_fn_bytes, first_env_index, options),
+        BACKEND,
         **supervisor_options,
     )
 
@@ -591,4 +560,19 @@ def create_ray_envs(
     )
 
 
-__all__ = ["ActorHandle", "RayEnv", "RayLink", "RayOptions", "create_ray_envs", "ensure_ray"]
+BACKEND = Backend(
+    "ray",
+    create_ray_envs,
+    open_ray_link,
+    frozenset(keyword_options(RayEnv.__init__) - {"self", "env_fn", "env_index"}),
+)
+
+__all__ = [
+    "BACKEND",
+    "ActorHandle",
+    "RayEnv",
+    "RayLink",
+    "RayOptions",
+    "create_ray_envs",
+    "ensure_ray",
+]

@@ -14,8 +14,9 @@ import os
 import signal
 from collections.abc import Sequence
 
+from multienv.framing import decode, encode
 from multienv.procfs import resident_mb
-from multienv.protocol import Reply, decode, encode
+from multienv.protocol import Reply
 from multienv.runner import BuildError, EnvRunner, encode_reply
 
 

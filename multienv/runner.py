@@ -18,6 +18,8 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
+from multienv.autoreset import Stepped, step_env
+from multienv.framing import encode
 from multienv.legacy import LegacyEnv, adapt
 from multienv.protocol import (
     Command,
@@ -30,7 +32,6 @@ from multienv.protocol import (
     RemoteFailure,
     Reply,
     Request,
-    encode,
 )
 
 ObsCheck = Callable[[Any], "str | None"]
@@ -94,14 +95,9 @@ class EnvRunner:
         self.check(position, obs)
         return obs, info
 
-    def step(self, position: int, action: Any, autoreset: bool = False) -> Outcome:
+    def step(self, position: int, action: Any, autoreset: bool = False) -> Stepped:
         """Step one env; with ``autoreset``, reset it at once if the step ended its episode."""
-        obs, reward, terminated, truncated, info = self.envs[position].step(action)
-        self.check(position, obs)
-        outcome = Outcome(obs, float(reward), terminated, truncated, info)
-        if autoreset and (terminated or truncated):
-            outcome.reset = self.reset(position)
-        return outcome
+        return step_env(self.envs[position], position, action, autoreset, self.check)
 
     def run(self, order: Order) -> Outcome:
         """Run one order; an env exception becomes its failure (the other orders go on)."""
@@ -111,7 +107,14 @@ class EnvRunner:
                     self.envs[order.position].set_wrapper_attr("np_random", order.np_random)
                 obs, info = self.reset(order.position, order.seed, order.options)
                 return Outcome(obs, info=info)
-            outcome = self.step(order.position, order.action, order.autoreset)
+            obs, reward, terminated, truncated, info, final = self.step(
+                order.position, order.action, order.autoreset
+            )
+            if final is None:
+                outcome = Outcome(obs, float(reward), terminated, truncated, info)
+            else:  # obs holds the final observation; reset, the new episode's
+                outcome = Outcome(final[0], float(reward), terminated, truncated, final[1])
+                outcome.reset = (obs, info)
             if order.keep_np_random and (outcome.terminated or outcome.truncated):
                 outcome.np_random = np_random_or_none(self.envs[order.position])
             return outcome

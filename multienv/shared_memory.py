@@ -14,7 +14,7 @@ travels to each worker over the pipe (``multiprocessing.reduction.send_handle``)
 every respawn, and the memory goes when the last mapping of it does.
 
 Beside the file, each group of workers that one parent thread collects has a "done" pipe
-that they write a short record to when they finish a fast batch (``protocol.DONE_RECORD``).
+that they write a short record to when they finish a fast batch (``framing.DONE_RECORD``).
 The parent reads all the records that are in with one read and notes them per worker
 (``SharedBatch.drain``). One pipe per thread, because a thread that read another thread's
 record would leave that thread asleep. A worker hosting k envs writes the rows of its k
@@ -35,7 +35,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from multienv.protocol import DONE_RECORD
+from multienv.framing import DONE_RECORD
 
 _ARRAY_SPACES = (
     gym.spaces.Box,
@@ -192,6 +192,15 @@ class SharedBatch:
         # Per worker: the seq and kind of the last DONE record read (seq 0: none since taken).
         self.done_seq = [0] * num_workers
         self.done_kind = [0] * num_workers
+
+    def next_slots(self, env_ids: Any) -> np.ndarray:
+        """The slot each env's next observation goes to: never the one the caller saw last."""
+        slots: np.ndarray = 1 - self.slot[env_ids]
+        return slots
+
+    def move_to(self, env_ids: Any, slots: np.ndarray) -> None:
+        """These envs' observations are in ``slots`` now: their batch came back clean."""
+        self.slot[env_ids] = slots
 
     def done_read(self, worker_index: int) -> int:
         """The read end of the done pipe of that worker's group."""

@@ -1,6 +1,7 @@
 """WORKER SIDE: process set-up and the pipe loop that serves an ``EnvRunner`` of k envs.
 
-The worker talks to its parent only through ``protocol``. It ignores SIGINT (the parent got
+The worker talks to its parent only through the wire modules (``protocol``, ``framing``,
+``shared_memory``). It ignores SIGINT (the parent got
 the same Ctrl-C and owns shutdown), sends its stderr to the parent through a pipe (the parent
 forwards it and keeps the last lines for crash reports), and exits by itself when the parent
 process dies, even by SIGKILL. Once the parent attaches the vector's shared memory, a fast
@@ -25,25 +26,22 @@ from typing import Any
 
 import numpy as np
 
-from multienv.protocol import (
+from multienv.autoreset import step_env
+from multienv.framing import (
     DONE_OK,
     DONE_REPLY,
     FAST_BATCH,
     IS_AUTORESET,
     IS_KEEP_NP_RANDOM,
     IS_RESET,
-    IS_SLOT_1,
-    Command,
     MessageReader,
-    Order,
-    Outcome,
-    Reply,
-    Request,
     decode,
     decode_fast_batch,
     encode,
+    slot_of,
     write_message,
 )
+from multienv.protocol import Command, Order, Outcome, Reply, Request
 from multienv.runner import (
     BuildError,
     EnvRunner,
@@ -223,12 +221,11 @@ class _Loop:
                 else:
                     action = actions[next_action]
                     next_action += 1
-                    obs, reward, terminated, truncated, info = envs[position].step(action)
-                    check(position, obs)
-                    if flags & IS_AUTORESET and (terminated or truncated):
-                        final_obs, final_info = obs, info
-                        obs, info = runner.reset(position)
-                        extras[position] = Outcome(final_obs, info=final_info, reset=(None, info))
+                    obs, reward, terminated, truncated, info, final = step_env(
+                        envs[position], position, action, bool(flags & IS_AUTORESET), check
+                    )
+                    if final is not None:  # the slot gets the new episode's first obs
+                        extras[position] = Outcome(final[0], info=final[1], reset=(None, info))
                         info = {}
             except Exception as exc:  # noqa: BLE001 - reported for this env only; siblings go on
                 extras[position] = Outcome(failure=package_failure(exc, position))
@@ -238,7 +235,7 @@ class _Loop:
             if flags & IS_KEEP_NP_RANDOM and (terminated or truncated):
                 outcome = extras.setdefault(position, Outcome())
                 outcome.np_random = np_random_or_none(envs[position])
-            writer.write_obs(position, (flags & IS_SLOT_1) >> 2, obs)
+            writer.write_obs(position, slot_of(flags), obs)
             done_positions.append(position)
             rewards.append(reward)
             terminations.append(terminated)

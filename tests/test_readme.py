@@ -1,4 +1,4 @@
-"""The README's runnable examples run, each as a script in a fresh process."""
+"""The runnable examples of the README and docs/ run, each as a script in a fresh process."""
 
 import re
 import subprocess
@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.rst"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.rst"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.rst"))]
 
 
-def examples() -> list[str]:
+def examples(pages: list[Path] = PAGES) -> list[str]:
     """The ``.. code-block:: python`` blocks that are whole scripts (a ``__main__`` guard)."""
-    blocks = re.findall(r"\.\. code-block:: python\n\n((?:    .*\n|\n)+)", README.read_text())
+    text = "".join(page.read_text() for page in pages)
+    blocks = re.findall(r"\.\. code-block:: python\n\n((?:    .*\n|\n)+)", text)
     scripts = ["\n".join(line[4:] for line in block.splitlines()) for block in blocks]
     return [script for script in scripts if '__name__ == "__main__"' in script]
 
@@ -28,5 +31,6 @@ def test_readme_example_runs(script, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_the_readme_has_runnable_examples():
+def test_the_readme_and_docs_have_runnable_examples():
+    assert len(examples([README])) >= 1
     assert len(examples()) >= 3

@@ -1,0 +1,152 @@
+"""WIRE, both sides: the one definition of the bytes on a worker's pipe.
+
+Messages are framed with a 4-byte length (``frame`` / ``write_message`` / ``MessageReader``,
+straight on the socket's fd, so a small message costs one system call each way). Two kinds
+of message travel:
+
+- a pickled ``protocol.Request`` (plain ``pickle``; multiprocessing's own ``send`` builds a
+  ForkingPickler per message and reads twice, which together cost more than a CartPole
+  step), answered by a pickled ``protocol.Reply``;
+- a fast batch: ``bytes([FAST_BATCH, seq])`` then one ``FAST_ITEM`` (position, flags) per
+  env. Its actions and observations travel in the vector's shared memory. Its first byte
+  is below 0x80, which no pickle of protocol 2 or later starts with. The worker answers
+  with one ``DONE_RECORD`` on its group's done pipe; ``DONE_REPLY`` means a pickled
+  ``Reply`` follows on the worker's own pipe (infos, final observations, errors). ``seq``
+  (1 to 255) tells a late record of a killed worker from the answer to the current batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pickle
+import struct
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+FAST_BATCH = 0x01
+FAST_ITEM = struct.Struct("<HB")  # position, flags
+ITEM_DTYPE = np.dtype([("position", "<u2"), ("flags", "u1")])  # FAST_ITEM, as numpy
+IS_RESET, IS_AUTORESET, IS_SLOT_1, IS_KEEP_NP_RANDOM = 1, 2, 4, 8  # the flags of a FAST_ITEM
+_SLOT_SHIFT = 2  # IS_SLOT_1 == 1 << _SLOT_SHIFT
+DONE_RECORD = struct.Struct("<HBB")  # worker_index, seq, DONE_OK or DONE_REPLY; atomic in a pipe
+DONE_OK = 0  # everything is in shared memory
+DONE_REPLY = 1  # a framed Reply follows on the worker's own pipe: {position: Outcome}
+
+_HEADER = struct.Struct("!I")
+assert ITEM_DTYPE.itemsize == FAST_ITEM.size
+
+encode = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
+decode = pickle.loads
+
+
+# ---------------------------------------------------------------- the fast batch
+
+
+def item_flags(
+    is_reset: np.ndarray, slots: np.ndarray, autoreset: bool, keep_np_random: bool = False
+) -> np.ndarray | list[int]:
+    """The flags byte of each item: reset or step, autoreset, the slot to write, keep rng."""
+    common = (IS_AUTORESET if autoreset else 0) | (IS_KEEP_NP_RANDOM if keep_np_random else 0)
+    if is_reset.size == 1:  # one env: Python ints are faster than numpy ops
+        return [int(is_reset[0]) | common | (int(slots[0]) << _SLOT_SHIFT)]
+    flags: np.ndarray = (
+        is_reset.view(np.uint8) | common | (slots.astype(np.uint8, copy=False) << _SLOT_SHIFT)
+    )
+    return flags
+
+
+def encode_items(positions: Sequence[int] | np.ndarray, flags: np.ndarray | list[int]) -> bytes:
+    """The FAST_ITEMs of a batch, one per env."""
+    if len(flags) == 1:  # one env: struct is faster than a numpy record
+        return FAST_ITEM.pack(int(positions[0]), int(flags[0]))
+    items = np.empty(len(flags), dtype=ITEM_DTYPE)
+    items["position"] = positions
+    items["flags"] = flags
+    return items.tobytes()
+
+
+def fast_batch_frame(seq: int, items: bytes | memoryview) -> bytes:
+    """The framed request for a fast batch whose items ``encode_items`` made."""
+    return b"".join((_HEADER.pack(len(items) + 2), bytes((FAST_BATCH, seq)), items))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedItems:
+    """A vector's planned step, encoded once for all envs: the FAST_ITEMs and their slots."""
+
+    items: bytes
+    slots: np.ndarray
+
+    def items_of(self, env_slice: slice) -> memoryview:
+        """The items of the envs of one worker, ``env_slice`` of the vector."""
+        size = FAST_ITEM.size
+        return memoryview(self.items)[env_slice.start * size : env_slice.stop * size]
+
+
+def decode_fast_batch(request: bytes) -> tuple[int, Iterator[tuple[int, int]]]:
+    """``seq`` and the ``(position, flags)`` items of a fast batch's payload."""
+    return request[1], FAST_ITEM.iter_unpack(memoryview(request)[2:])
+
+
+def slot_of(flags: int) -> int:
+    """The observation slot an item's flags name."""
+    return (flags & IS_SLOT_1) >> _SLOT_SHIFT
+
+
+# ---------------------------------------------------------------- framing
+
+
+def frame(payload: bytes) -> bytes:
+    """The bytes that carry ``payload`` on the wire: its length, then itself."""
+    return _HEADER.pack(len(payload)) + payload
+
+
+def write_message(fd: int, payload: bytes) -> None:
+    """Write one message, however many writes it takes."""
+    write_frame(fd, frame(payload))
+
+
+def write_frame(fd: int, data: bytes) -> None:
+    """Write bytes that ``frame()`` made; a small message takes one write."""
+    written = os.write(fd, data)
+    if written < len(data):
+        view = memoryview(data)[written:]
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+class MessageReader:
+    """Reads framed messages from a socket fd; raises EOFError when the other end is gone.
+
+    Args:
+        fd: The socket to read; its owner closes it.
+    """
+
+    def __init__(self, fd: int) -> None:
+        """Start with nothing buffered."""
+        self._fd = fd
+        self._buffer = b""
+
+    def read(self) -> bytes:
+        """Block until one whole message is in, and return its payload."""
+        buffer = self._buffer
+        while len(buffer) < _HEADER.size:
+            buffer += self._read_some(65536)
+        end = _HEADER.size + _HEADER.unpack_from(buffer)[0]
+        if len(buffer) < end:
+            parts, have = [buffer], len(buffer)
+            while have < end:
+                parts.append(self._read_some(end - have))
+                have += len(parts[-1])
+            buffer = b"".join(parts)
+        self._buffer = buffer[end:]
+        return buffer[_HEADER.size : end]
+
+    def _read_some(self, size: int) -> bytes:
+        chunk = os.read(self._fd, size)
+        if not chunk:
+            raise EOFError("the other end of the pipe closed")
+        return chunk

@@ -1,0 +1,714 @@
+"""PARENT SIDE, backend-neutral: one worker's supervisor, which keeps DESIGN.md's failure table.
+
+``WorkerSupervisor``, one per worker, owns the worker's lifecycle (``EnvState``), its
+deadlines, the ``RestartPolicy`` budget and the death -> respawn -> replay table below. A
+worker is the unit that dies, so it is also the unit that respawns and spends the restart
+budget; each of its envs counts the restart. It talks to the worker only through a
+``WorkerHandle`` (``multienv.handles``), counts through ``WorkerStats`` and leaves
+recycling decisions to its ``Recycler``.
+
+Failure semantics, for a worker hosting k envs:
+
+- It dies during a batch of steps (signal, exit, OOM kill, or a ``step_timeout`` kill): no
+  exception. It is respawned and re-initialized, and each step of the batch returns a
+  truncation: the last observation the caller saw, ``reward=0.0``, ``terminated=False``,
+  ``truncated=True``, ``info["multienv"] = {"restarted": True, "cause": ..., "restarts":
+  k}``. Its other envs, not in that batch, lost their episode too: each returns the same
+  flagged truncation on its next step, without stepping. The caller's next reset (an
+  autoreset's, or its own) starts the new episodes.
+- It dies during a reset, ``render``, ``call``, ``get_attr`` or ``set_attr``: respawned, and
+  the command is replayed on the fresh env; the worker's other envs lost their episode.
+- It dies while building its envs: respawned, under the same budget.
+- Env code raises: ``EnvError`` naming the env, the remote type and message, with the
+  worker's traceback chained; the worker stays alive and the other envs of the batch keep
+  their results (if ``env_fn`` raised, the worker has exited). With
+  ``restart_on_error=True`` the error is treated as a death of the worker instead.
+- Respawns beyond the ``RestartPolicy``: ``EnvCrashLoopError`` now and on every later call
+  (``EnvCrashedError`` under ``RestartPolicy.never()``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium.error import ClosedEnvironmentError
+from gymnasium.vector.utils import batch_space, create_empty_array, iterate
+
+from multienv.errors import (
+    EnvCrashedError,
+    EnvCrashLoopError,
+    EnvError,
+    EnvStateError,
+    env_error_class,
+)
+from multienv.handles import Backend, Death, SharedMemoryHandle, WorkerHandle
+from multienv.lifecycle import HINTS, TRANSITIONS, EnvState
+from multienv.log_limit import failure_log
+from multienv.protocol import (
+    PLANNED_OK,
+    Batch,
+    BatchResult,
+    Command,
+    EnvDescription,
+    Outcome,
+    RemoteFailure,
+    RemoteTraceback,
+    Request,
+    StepPlan,
+)
+from multienv.recycle import RecyclePolicy
+from multienv.recycler import Recycler
+from multienv.restart import RestartPolicy
+from multienv.worker_stats import WorkerStats
+
+logger = logging.getLogger(__name__)
+
+_EARLY_EXIT_HINT = (
+    "\nA worker that exits before multienv's worker code runs in it, for example while it "
+    "imports your script, writes to this process's stderr instead: look above. If your "
+    'script creates envs at its top level, move that under `if __name__ == "__main__":`.'
+)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """The call in flight on a worker."""
+
+    batch: Batch | None  # a batch as asked, or None for a call
+    sent: Batch | None  # what of it was sent
+    sent_items: list[int] | None  # which items of it were sent; None: all
+    lost: dict[int, str]  # items not sent: their env lost its episode to an earlier death
+    request: Request | None
+    deadline: float | None
+    sent_at: float
+    plan: StepPlan | None = None  # a planned step: this worker's envs are plan_slice
+    plan_slice: slice | None = None
+
+
+def subset(batch: Batch, items: Sequence[int]) -> Batch:
+    """The batch of only ``items`` of ``batch``."""
+    return Batch(
+        [batch.positions[item] for item in items],
+        batch.is_reset[list(items)],
+        [batch.actions[item] for item in items],
+        batch.autoreset,
+        None if batch.seeds is None else [batch.seeds[item] for item in items],
+        None if batch.options is None else [batch.options[item] for item in items],
+    )
+
+
+def _empty_result(size: int) -> BatchResult:
+    return BatchResult(
+        np.zeros(size, dtype=np.float64),
+        np.zeros(size, dtype=np.bool_),
+        np.zeros(size, dtype=np.bool_),
+        None,
+        {},
+    )
+
+
+def _merge(into: BatchResult, part: BatchResult, items: Sequence[int]) -> None:
+    """Write ``part``, the result of ``items`` of a batch, into the batch's result."""
+    index = list(items)
+    into.rewards[index] = part.rewards
+    into.terminated[index] = part.terminated
+    into.truncated[index] = part.truncated
+    if into.obs is not None and part.obs is not None:
+        for item, obs in zip(index, part.obs, strict=True):
+            into.obs[item] = obs
+    for item, extra in part.extras.items():
+        into.extras[index[item]] = extra
+
+
+class WorkerSupervisor:
+    """Lifecycle, failure table and restart budget of one worker hosting k envs.
+
+    Args:
+        handle: The transport to the worker.
+        env_indices: The index of each of the worker's envs, by position, for messages.
+        backend: The backend the handle belongs to (a vector links its handles with it).
+        restart_policy: How many respawns are allowed, and how fast; None for the default.
+        step_timeout: Seconds one env's step may take; a batch of m steps gets m times that.
+        reset_timeout: Seconds one env's reset may take; likewise per batch.
+        init_timeout: Seconds the worker may take to build its envs.
+        restart_on_error: Treat an exception raised by env code as a death.
+        close_timeout_s: Seconds ``close()`` waits for the worker to exit before killing it.
+        recycle: When to replace the worker by a fresh one at an episode boundary, and when
+            to kill it for its memory; None never recycles.
+    """
+
+    def __init__(
+        self,
+        handle: WorkerHandle,
+        env_indices: Sequence[int],
+        backend: Backend,
+        *,
+        restart_policy: RestartPolicy | None = None,
+        step_timeout: float | None = None,
+        reset_timeout: float | None = None,
+        init_timeout: float | None = 60.0,
+        restart_on_error: bool = False,
+        close_timeout_s: float = 5.0,
+        recycle: RecyclePolicy | None = None,
+    ) -> None:
+        """Create the supervisor; no worker is started yet."""
+        self.handle = handle
+        # The optional shared-memory part of the handle, when the backend has one.
+        self._shm_handle = handle if isinstance(handle, SharedMemoryHandle) else None
+        self.backend = backend
+        self.env_indices = list(env_indices)
+        self._open_positions = set(range(len(self.env_indices)))  # envs whose proxy is open
+        self.descriptions: list[EnvDescription] = []
+        self._restart_policy = restart_policy if restart_policy is not None else RestartPolicy()
+        self._step_timeout = step_timeout
+        self._reset_timeout = reset_timeout
+        self._init_timeout = init_timeout
+        self._restart_on_error = restart_on_error
+        self._close_timeout_s = close_timeout_s
+        self._state = EnvState.CREATED
+        self._init_deadline: float | None = None
+        self._pending: _Pending | None = None
+        self._planned = _Pending(None, None, None, {}, None, None, 0.0)  # see submit_planned
+        self._lost: dict[int, str] = {}  # positions whose episode a death cut, not yet told
+        self._last_obs: list[Any] = [None] * len(self.env_indices)  # when not in shared memory
+        self._restart_times: list[float] = []
+        self._consecutive_restarts = 0  # respawns since the last successful call
+        self._deaths = 0  # over the worker's whole life, for the failure log
+        self._broken_error: EnvCrashedError | None = None
+        self._is_closing = threading.Event()
+        self.stats = WorkerStats(len(self.env_indices))
+        self._recycler = None if recycle is None else Recycler(recycle, self)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @property
+    def state(self) -> EnvState:
+        """Where the worker is in its lifecycle."""
+        return self._state
+
+    @property
+    def deadline(self) -> float | None:
+        """The deadline of the call in flight, if any."""
+        return None if self._pending is None else self._pending.deadline
+
+    def start(self, name: str = "start") -> None:
+        """Launch the worker, which starts building its envs; returns without waiting."""
+        self.require(EnvState.CREATED, name, self.env_indices[0])
+        self._spawn()
+
+    def initialize(self) -> None:
+        """Wait until the worker has built its envs (respawning it if it dies meanwhile).
+
+        Raises:
+            EnvError: An ``env_fn`` raised in the worker, which has exited.
+            EnvCrashLoopError: The worker kept dying or timing out while building its envs.
+        """
+        self.require(EnvState.STARTED, "initialize", self.env_indices[0])
+        cause = self._handshake()
+        if cause is None:
+            self._set_state(EnvState.READY)
+        else:
+            self._respawn(cause)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker; idempotent and bounded in time."""
+        if self._state is EnvState.CLOSED:
+            return
+        self._is_closing.set()
+        self.handle.stop(self._close_timeout_s if timeout is None else timeout)
+        self._pending = None
+        self._set_state(EnvState.CLOSED)
+        failure_log.flush()  # the failures still counted, not yet told
+
+    def close_env(self, position: int, timeout: float | None = None) -> None:
+        """One env's proxy is closed; the worker stops once all of its envs are."""
+        self._open_positions.discard(position)
+        if not self._open_positions:
+            self.close(timeout)
+
+    def join_link(self) -> None:
+        """Give the worker what its vector's link shares (respawning it if it dies meanwhile)."""
+        self._last_obs = [None] * len(self.env_indices)
+        if self._shm_handle is None:
+            return
+        deadline = None if self._init_timeout is None else time.monotonic() + self._init_timeout
+        death = self._shm_handle.join_link(deadline)
+        if death is not None:
+            self._lose_all(death.cause)
+            self._respawn(death.cause)
+
+    def require(self, wanted: EnvState, name: str, env_index: int) -> None:
+        """Raise the error that explains why ``name()`` is not allowed now, if it is not."""
+        state = self._state
+        if state is wanted:
+            return
+        if state is EnvState.CLOSED:
+            raise ClosedEnvironmentError(
+                f"env {env_index}: {name}() called after close(); create a new env."
+            )
+        if state is EnvState.BROKEN and self._broken_error is not None:
+            raise copy.copy(self._broken_error)
+        hint = HINTS[state].format(name=name)
+        raise EnvStateError(
+            f"env {env_index}: {name}() called in state {state.name}; {hint}.",
+            env_index=env_index,
+        )
+
+    # ----------------------------------------------------------------- batches
+
+    def submit(self, batch: Batch) -> None:
+        """Send the steps and resets of some of the worker's envs; ``finish()`` collects them.
+
+        A step of an env whose episode an earlier death cut is not sent: it comes back as
+        that death's truncation.
+        """
+        if self._state is not EnvState.READY:
+            first = self.env_indices[batch.positions[0]] if len(batch.positions) else 0
+            self.require(EnvState.READY, "step", first)
+        if self._pending is not None:
+            self._discard_pending()
+        if self._recycler is not None:
+            batch = self._recycler.before(batch)
+        lost: dict[int, str] = {}
+        sent, sent_items = batch, None
+        if self._lost:
+            for item, position in enumerate(batch.positions):
+                if batch.is_reset[item]:
+                    self._lost.pop(position, None)
+                elif position in self._lost:
+                    lost[item] = self._lost.pop(position)
+            if lost:
+                sent_items = [item for item in range(len(batch.positions)) if item not in lost]
+                sent = subset(batch, sent_items)
+        num_resets = int(np.count_nonzero(sent.is_reset))
+        deadline = self._batch_deadline(len(sent.positions) - num_resets, num_resets)
+        self._pending = _Pending(batch, sent, sent_items, lost, None, deadline, time.perf_counter())
+        if len(sent.positions):
+            self.handle.submit_batch(sent)
+
+    def submit_planned(self, plan: StepPlan, env_slice: slice) -> None:
+        """Send this worker's part of a vector's planned step (its envs are ``env_slice``).
+
+        Falls back to ``submit()`` of the same envs when the worker has anything unusual to
+        sort out first (a call in flight, envs that lost their episode, not ready).
+        """
+        if (
+            self._state is not EnvState.READY
+            or self._pending is not None
+            or self._lost
+            or self._shm_handle is None
+            or (self._recycler is not None and self._recycler.is_busy())
+        ):
+            self.submit(plan.batch(env_slice))
+            return
+        deadline = None
+        if self._step_timeout is not None or self._reset_timeout is not None:
+            num_resets = int(np.count_nonzero(plan.is_reset[env_slice]))
+            num_steps = env_slice.stop - env_slice.start - num_resets
+            deadline = self._batch_deadline(num_steps, num_resets)
+        pending = self._planned  # reused: this runs for every worker on every step
+        pending.batch = pending.sent = None
+        pending.plan, pending.plan_slice, pending.deadline = plan, env_slice, deadline
+        pending.sent_at = time.perf_counter()
+        self._pending = pending
+        self._shm_handle.submit_planned(plan, env_slice)
+
+    def finish(self) -> tuple[BatchResult | None, dict[int, Exception]]:
+        """Collect the batch ``submit()`` sent: its result, and ``EnvError``s by item index.
+
+        The result is ``PLANNED_OK`` (None) for a clean planned step: everything is in the
+        vector's shared memory, and the vector reads it (and counts it) for all envs at once.
+
+        Raises:
+            EnvCrashLoopError: The worker died and the restart budget is spent.
+        """
+        pending = self._pending
+        if pending is not None and pending.plan is not None:
+            assert pending.plan_slice is not None
+            assert self._shm_handle is not None
+            planned = self._shm_handle.collect_planned(pending.deadline)
+            if planned is PLANNED_OK:
+                self._pending = None
+                self._consecutive_restarts = 0
+                self.stats.note_latency(time.perf_counter() - pending.sent_at)
+                return PLANNED_OK, {}
+            pending.batch = pending.sent = pending.plan.batch(pending.plan_slice)
+            collected: BatchResult | Death = planned
+        elif pending is None or pending.batch is None:
+            raise EnvStateError(
+                f"env {self.env_indices[0]}: no step or reset is in flight; send one first.",
+                env_index=self.env_indices[0],
+            )
+        else:
+            sent = pending.sent
+            assert sent is not None
+            collected = (
+                self.handle.collect_batch(pending.deadline)
+                if len(sent.positions)
+                else _empty_result(0)
+            )
+        batch = pending.batch
+        assert batch is not None
+        self._pending = None
+        if isinstance(collected, Death):
+            return self._recover_batch(batch, collected.cause)
+        if pending.sent_items is None:
+            result = collected
+        else:
+            result = self._blank_result(len(batch.positions))
+            _merge(result, collected, pending.sent_items)
+            for item, cause in pending.lost.items():
+                self._truncate(result, batch, item, cause)
+        failed = [item for item, extra in result.extras.items() if extra.failure is not None]
+        self._note(batch, result, time.perf_counter() - pending.sent_at, pending.lost, failed)
+        if self._recycler is not None:
+            self._recycler.after(batch, result)
+        if not failed:
+            self._consecutive_restarts = 0
+            return result, {}
+        if self._restart_on_error:
+            self.handle.kill()
+            cause = f"error: {result.extras[failed[0]].failure.type_name}"  # type: ignore[union-attr]
+            retried, retry_errors = self._recover_batch(subset(batch, failed), cause)
+            _merge(result, retried, failed)
+            return result, retry_errors
+        errors: dict[int, Exception] = {}
+        for item in failed:
+            failure = result.extras[item].failure
+            assert failure is not None
+            name = "reset" if batch.is_reset[item] else "step"
+            errors[item] = self.env_error(failure, name, batch.positions[item])
+        return result, errors
+
+    def run(self, batch: Batch) -> tuple[BatchResult, dict[int, Exception]]:
+        """``submit()`` then ``finish()``."""
+        self.submit(batch)
+        result, errors = self.finish()
+        assert result is not None
+        return result, errors
+
+    def request(self, position: int, command: Command, payload: Any, steps: int = 0) -> Any:
+        """Run one call on one env; a death respawns the worker and replays the call once more.
+
+        Raises:
+            EnvError: The env raised.
+            EnvCrashLoopError: The worker kept dying and the restart budget is spent.
+        """
+        self.send_request(position, command, payload, steps)
+        return self.finish_request()
+
+    def send_request(self, position: int, command: Command, payload: Any, steps: int = 0) -> None:
+        """Send one call on one env; ``finish_request()`` waits for it.
+
+        Args:
+            position: The env's place in the worker.
+            command: What to do.
+            payload: The command's data.
+            steps: Env steps the call makes (for ``STEP_PAIRS``): it may take that many
+                ``step_timeout``s before the worker is killed. 0: no deadline.
+        """
+        env_index = self.env_indices[position]
+        if self._state is not EnvState.READY:
+            self.require(EnvState.READY, command.name.lower(), env_index)
+        if self._pending is not None:
+            self._discard_pending()
+        request = Request(command, position, payload)
+        if self._recycler is not None:
+            self._recycler.forget_end_rngs()  # the call may draw from a generator
+        deadline = self._batch_deadline(steps, 0) if steps else None
+        self._pending = _Pending(None, None, None, {}, request, deadline, time.perf_counter())
+        self.handle.submit(request)
+
+    def finish_request(self) -> Any:
+        """Wait for the call ``send_request()`` sent; replay it on a fresh worker if it died."""
+        pending = self._pending
+        if pending is None or pending.request is None:
+            raise EnvStateError(
+                f"env {self.env_indices[0]}: no call is in flight; send one first.",
+                env_index=self.env_indices[0],
+            )
+        request = pending.request
+        position, command, payload = request.position, request.command, request.payload
+        reply = self.handle.collect(pending.deadline)
+        self._pending = None
+        if isinstance(reply, Death):
+            self._lose_all(reply.cause)
+            self._respawn(reply.cause)
+            return self.request(position, command, payload)
+        if reply.failure is not None:
+            if self._restart_on_error:
+                self.handle.kill()
+                cause = f"error: {reply.failure.type_name}"
+                self._lose_all(cause)
+                self._respawn(cause)
+                return self.request(position, command, payload)
+            raise self.env_error(reply.failure, command.name.lower(), position)
+        self._consecutive_restarts = 0
+        if command is Command.SET_STATE:
+            self._lost.pop(position, None)  # restored: that env's episode goes on from here
+        return reply.value
+
+    def read_obs(self, position: int) -> Any:
+        """The observation the caller last saw for the env at ``position``."""
+        obs = self._last_obs[position]
+        if obs is None:
+            obs = None if self._shm_handle is None else self._shm_handle.read_obs(position)
+        if obs is None:  # nothing seen yet: zeros of the observation's shape
+            space = self.descriptions[position].observation_space
+            obs = next(iter(iterate(batch_space(space, 1), create_empty_array(space, 1))))
+        return obs
+
+    def env_error(
+        self,
+        failure: RemoteFailure,
+        name: str,
+        position: int | None,
+        advice: str = "The worker is still alive.",
+    ) -> EnvError:
+        """The ``EnvError`` for a failure in the worker, with its traceback chained."""
+        env_index = self.env_indices[position if position is not None else 0]
+        remote = RemoteTraceback(failure.traceback)
+        cause: BaseException = failure.exception if failure.exception is not None else remote
+        if cause is not remote:
+            cause.__cause__ = remote
+        error_class = env_error_class(
+            type(failure.exception) if failure.exception is not None else None
+        )
+        error = error_class(
+            f"env {env_index}: worker (pid {self.handle.pid}) raised {failure.type_name} in "
+            f"{name}(): {failure.message}; see the worker traceback above. {advice}",
+            env_index=env_index,
+        )
+        error.__cause__ = cause
+        return error
+
+    # ----------------------------------------------------------------- internals
+
+    def _batch_deadline(self, num_steps: int, num_resets: int) -> float | None:
+        budget = 0.0
+        for count, timeout in ((num_steps, self._step_timeout), (num_resets, self._reset_timeout)):
+            if count:
+                if timeout is None:
+                    return None
+                budget += count * timeout
+        return time.monotonic() + budget if budget else None
+
+    def _note(
+        self,
+        batch: Batch,
+        result: BatchResult,
+        elapsed: float,
+        lost: dict[int, str],
+        failed: Sequence[int],
+    ) -> None:
+        """Count the batch, and keep the observations the caller saw (when not shared)."""
+        self.stats.note_batch(batch, result, elapsed, failed)
+        if result.obs is not None:
+            for item, position in enumerate(batch.positions):
+                if item not in lost and item not in failed:
+                    self._last_obs[position] = result.obs[item]
+
+    def _blank_result(self, size: int) -> BatchResult:
+        result = _empty_result(size)
+        if self._shm_handle is None or not self._shm_handle.is_linked:
+            result.obs = [None] * size
+        return result
+
+    def _truncate(self, result: BatchResult, batch: Batch, item: int, cause: str) -> None:
+        """Make ``item`` of ``result`` the flagged truncation a death gives a step."""
+        position = batch.positions[item]
+        restarts = self.stats.restarts
+        result.rewards[item] = 0.0
+        result.terminated[item] = False
+        result.truncated[item] = True
+        info = {"multienv": {"restarted": True, "cause": cause, "restarts": restarts}}
+        result.extras[item] = Outcome(info=info)
+        if result.obs is not None:
+            result.obs[item] = self.read_obs(position)
+
+    def _recover_batch(self, batch: Batch, cause: str) -> tuple[BatchResult, dict[int, Exception]]:
+        """After a death during a batch: respawn, truncate its steps, replay its resets."""
+        self._lose_all(cause)
+        self._respawn(cause)
+        result = self._blank_result(len(batch.positions))
+        errors: dict[int, Exception] = {}
+        resets = [item for item in range(len(batch.positions)) if batch.is_reset[item]]
+        for item, position in enumerate(batch.positions):
+            if not batch.is_reset[item]:
+                self._lost.pop(position, None)
+                self._truncate(result, batch, item, cause)
+        self._note(batch, result, 0.0, {}, [])
+        if resets:
+            replayed, replay_errors = self.run(subset(batch, resets))
+            _merge(result, replayed, resets)
+            errors = {resets[item]: error for item, error in replay_errors.items()}
+        return result, errors
+
+    # ----------------------------------------------------------------- for the recycler
+
+    @property
+    def num_envs(self) -> int:
+        """How many envs the worker hosts."""
+        return len(self.env_indices)
+
+    def has_lost_episodes(self) -> bool:
+        """Whether a death cut an episode that the caller has not been told of yet."""
+        return bool(self._lost)
+
+    def kill_for(self, cause: str) -> None:
+        """Kill the worker now and respawn it: a death with this cause."""
+        self.handle.kill()
+        self._lose_all(cause)
+        self._respawn(cause)
+
+    def replace_worker(self) -> None:
+        """Retire the worker and hand over to a new one (the standby, when it is ready)."""
+        self.handle.retire()
+        self._spawn()
+        cause = self._handshake()
+        if cause is None:
+            self._set_state(EnvState.READY)
+        else:
+            self._respawn(cause)
+
+    # ----------------------------------------------------------------- deaths
+
+    def _lose_all(self, cause: str) -> None:
+        """Every env of the worker lost its episode; each is told on its next step."""
+        for position in range(len(self.env_indices)):
+            self._lost[position] = cause
+
+    def _discard_pending(self) -> None:
+        pending = self._pending
+        logger.debug("env %d: discarding an interrupted call", self.env_indices[0])
+        if pending is None:
+            return
+        if pending.batch is not None or pending.plan is not None:
+            self.finish()
+            return
+        reply = self.handle.collect(pending.deadline)
+        self._pending = None
+        if isinstance(reply, Death):
+            self._lose_all(reply.cause)
+            self._respawn(reply.cause)
+
+    def _spawn(self) -> None:
+        self.handle.spawn()
+        self.stats.note_spawn()
+        if self._recycler is not None:
+            self._recycler.on_spawn()
+        self._init_deadline = (
+            None if self._init_timeout is None else time.monotonic() + self._init_timeout
+        )
+        self._set_state(EnvState.STARTED)
+
+    def _handshake(self) -> str | None:
+        """Wait for the worker's envs; return a cause of death, or None when ready."""
+        reply = self.handle.handshake(self._init_deadline)
+        if isinstance(reply, Death):
+            return reply.cause
+        if reply.failure is not None:
+            if self._restart_on_error:
+                return f"error: {reply.failure.type_name}"
+            raise self.env_error(
+                reply.failure,
+                "initialize",
+                reply.failure.position,
+                "The worker has exited; initialize() again tries env_fn in a new worker.",
+            )
+        self.descriptions = reply.value
+        return None
+
+    def _respawn(self, cause: str) -> None:
+        """Replace a dead worker, under the restart budget, until one is ready."""
+        while True:
+            if self._is_closing.is_set():  # a worker seen dying as close() stops it
+                raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
+            self._bury(cause)
+            self._spawn()
+            next_cause = self._handshake()
+            if next_cause is None:
+                self._set_state(EnvState.READY)
+                return
+            cause = next_cause
+
+    def _bury(self, cause: str) -> None:
+        """Reap the dead worker, then wait out the backoff or raise if the budget is spent."""
+        pid = self.handle.pid
+        self.handle.kill()
+        self.stats.note_failure(cause)
+        now = time.monotonic()
+        policy = self._restart_policy
+        delay = policy.next_delay(self._restart_times, now, self._consecutive_restarts)
+        if delay is None:
+            self._become_broken(pid, cause)
+        self._restart_times = [*policy.recent(self._restart_times, now), now]
+        self._consecutive_restarts += 1
+        self._deaths += 1
+        self.stats.note_restart()
+        what = "timed out and was killed" if cause == "timeout" else f"died ({cause})"
+        failure_log.report(
+            env_index=self.env_indices[0],
+            failure_number=self._deaths,
+            cause=cause,
+            message=f"{self.envs_text()}: worker pid {pid} {what}; respawning "
+            f"({len(self._restart_times)}/{policy.max_restarts} in {policy.window_s:g} s)",
+            is_repeat_failure=self._consecutive_restarts > 1,
+        )
+        if delay and self._is_closing.wait(delay):
+            raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
+
+    def _become_broken(self, pid: int | None, cause: str) -> None:
+        tail = self.handle.stderr_tail()
+        policy = self._restart_policy
+        stderr_text = "\n".join(tail) if tail else "(nothing)"
+        if not tail and cause.startswith("exit code"):
+            stderr_text += _EARLY_EXIT_HINT
+        env_index = self.env_indices[0]
+        hosted = "" if len(self.env_indices) == 1 else f" hosting {self.envs_text()}"
+        error: EnvCrashedError
+        if policy.is_never:
+            error = EnvCrashedError(
+                f"env {env_index}: worker (pid {pid}){hosted} died ({cause}) and "
+                "RestartPolicy.never() is set; its last stderr lines follow. Fix the crash or "
+                f"allow restarts.\n{stderr_text}",
+                env_index=env_index,
+            )
+        else:
+            deaths = len(policy.recent(self._restart_times, time.monotonic())) + 1
+            error = EnvCrashLoopError(
+                f"env {env_index}: worker{hosted} died {deaths} times in {policy.window_s:g} s "
+                f"(RestartPolicy max_restarts={policy.max_restarts}, "
+                f"window_s={policy.window_s:g}); "
+                f"last cause {cause}; its last stderr lines follow. Fix the crash or loosen "
+                f"the policy.\n{stderr_text}",
+                env_index=env_index,
+                restarts=deaths,
+                cause=cause,
+                stderr_tail=tail,
+            )
+            logger.error("%s", error)
+        self._broken_error = error
+        self._set_state(EnvState.BROKEN)
+        raise error
+
+    def envs_text(self) -> str:
+        """``env 3`` or ``envs 3-5``: the worker's envs, for messages."""
+        first, last = self.env_indices[0], self.env_indices[-1]
+        return f"env {first}" if len(self.env_indices) == 1 else f"envs {first}-{last}"
+
+    def _set_state(self, new: EnvState) -> None:
+        if new not in TRANSITIONS[self._state]:
+            raise EnvStateError(
+                f"{self.envs_text()}: illegal state move {self._state.name} -> {new.name}",
+                env_index=self.env_indices[0],
+            )
+        logger.debug("%s: %s -> %s", self.envs_text(), self._state.name, new.name)
+        self._state = new

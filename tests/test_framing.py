@@ -1,0 +1,64 @@
+"""The wire format: fast-batch items and framed messages round-trip, in one process."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from multienv import framing
+from multienv.protocol import Command, Request
+
+
+@pytest.mark.parametrize("size", [1, 2, 7])
+@pytest.mark.parametrize("autoreset", [False, True])
+def test_fast_batch_items_round_trip(size: int, autoreset: bool) -> None:
+    rng = np.random.default_rng(size)
+    positions = rng.permutation(size).tolist()
+    is_reset = rng.random(size) < 0.5
+    slots = rng.integers(0, 2, size).astype(np.int8)
+    flags = framing.item_flags(is_reset, slots, autoreset, keep_np_random=True)
+    frame = framing.fast_batch_frame(9, framing.encode_items(positions, flags))
+    payload = frame[4:]
+    assert int.from_bytes(frame[:4], "big") == len(payload)
+    assert payload[0] == framing.FAST_BATCH and payload[0] < 0x80  # never a pickle
+    seq, items = framing.decode_fast_batch(payload)
+    decoded = list(items)
+    assert seq == 9
+    assert [position for position, _ in decoded] == positions
+    for (_, got), reset, slot in zip(decoded, is_reset, slots, strict=True):
+        assert bool(got & framing.IS_RESET) == bool(reset)
+        assert bool(got & framing.IS_AUTORESET) == autoreset
+        assert bool(got & framing.IS_KEEP_NP_RANDOM)
+        assert framing.slot_of(got) == slot
+
+
+def test_planned_items_slice_is_the_workers_part() -> None:
+    flags = framing.item_flags(np.zeros(4, np.bool_), np.array([0, 1, 1, 0], np.int8), False)
+    planned = framing.PlannedItems(framing.encode_items([0, 1, 0, 1], flags), np.zeros(4))
+    _, items = framing.decode_fast_batch(
+        framing.fast_batch_frame(1, planned.items_of(slice(2, 4)))[4:]
+    )
+    assert [(p, framing.slot_of(f)) for p, f in items] == [(0, 1), (1, 0)]
+
+
+def test_messages_round_trip_through_a_socket_whatever_their_size() -> None:
+    left, right = socket.socketpair()
+    try:
+        reader = framing.MessageReader(right.fileno())
+        small = framing.encode(Request(Command.GET_ATTR, 3, "np_random"))
+        large = pickle.dumps(np.arange(300_000))  # more than one read
+        for payload in (small, large, small):
+            sender = threading.Thread(target=framing.write_message, args=(left.fileno(), payload))
+            sender.start()
+            assert reader.read() == payload
+            sender.join(5.0)
+        assert framing.decode(small) == Request(Command.GET_ATTR, 3, "np_random")
+    finally:
+        left.close()
+        with pytest.raises(EOFError):
+            framing.MessageReader(right.fileno()).read()
+        right.close()

@@ -1,0 +1,92 @@
+"""The shared batch layout and the slot rule, parent and worker views in one process."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from multienv.framing import DONE_OK, DONE_RECORD
+from multienv.shared_memory import BatchLayout, SharedBatch, SlotWriter
+
+_OBS = gym.spaces.Dict(
+    {
+        "image": gym.spaces.Box(0, 255, (3, 4), np.uint8),
+        "pos": gym.spaces.Tuple((gym.spaces.Discrete(5), gym.spaces.Box(-1.0, 1.0, (2,)))),
+    }
+)
+_ACTION = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+pytestmark = pytest.mark.skipif(
+    not BatchLayout.supports(_OBS), reason="shared memory needs Linux memfd_create"
+)
+
+
+@pytest.fixture
+def shared():
+    batch = SharedBatch(_OBS, _ACTION, 4, [[0, 1]])
+    yield batch
+    batch.close()
+
+
+def writer_for(shared: SharedBatch, worker_index: int, env_indices: list[int]) -> SlotWriter:
+    layout = pickle.loads(pickle.dumps(shared.layout))  # as the worker receives it
+    assert shared.fd is not None
+    return SlotWriter(
+        layout, os.dup(shared.fd), os.dup(shared.done_write(worker_index)), worker_index, env_indices
+    )
+
+
+def test_layout_pickles_to_the_same_offsets(shared: SharedBatch) -> None:
+    copy = pickle.loads(pickle.dumps(shared.layout))
+    assert copy.size == shared.layout.size
+    assert all(offset % 64 == 0 for offset, _, _ in copy._arrays.values())
+    assert copy._arrays == shared.layout._arrays
+
+
+def test_worker_rows_round_trip_to_the_parent(shared: SharedBatch) -> None:
+    writer = writer_for(shared, 1, [2, 3])  # the worker hosting envs 2 and 3
+    sample = _OBS.sample()
+    slots = shared.next_slots(slice(2, 4))
+    writer.write_obs(1, int(slots[1]), sample)
+    writer.write_results([0, 1], [0.5, -1.0], [False, True], [True, False])
+    writer.notify(7, DONE_OK)
+    shared.drain(shared.done_read(1))
+    assert (shared.done_seq[1], shared.done_kind[1]) == (7, DONE_OK)
+    shared.move_to(slice(2, 4), slots)
+    got = shared.read(3)
+    assert np.array_equal(got["image"], sample["image"])
+    assert got["pos"][0] == sample["pos"][0]
+    assert np.allclose(got["pos"][1], sample["pos"][1])
+    assert shared.rewards[2:].tolist() == [0.5, -1.0]
+    assert shared.flags[:, 2:].tolist() == [[False, True], [True, False]]
+    del writer
+
+
+def test_next_slot_is_never_the_one_the_caller_saw(shared: SharedBatch) -> None:
+    shared.slot[:] = [0, 1, 0, 1]
+    assert shared.next_slots(slice(None)).tolist() == [1, 0, 1, 0]
+    shared.move_to(np.array([1, 2]), np.array([0, 1], dtype=np.int8))
+    assert shared.slot.tolist() == [0, 0, 1, 1]
+
+
+def test_a_write_to_the_next_slot_leaves_the_seen_observation_intact(shared: SharedBatch) -> None:
+    writer = writer_for(shared, 0, [0, 1])
+    seen = _OBS.sample()
+    writer.write_obs(0, int(shared.slot[0]), seen)
+    half_written = _OBS.sample()
+    writer.write_obs(0, int(shared.next_slots(slice(0, 1))[0]), half_written)  # never moved
+    assert np.array_equal(shared.read(0)["image"], seen["image"])
+    del writer
+
+
+def test_actions_written_by_the_parent_are_read_by_the_worker(shared: SharedBatch) -> None:
+    writer = writer_for(shared, 1, [2, 3])
+    assert shared.actions is not None
+    shared.actions[2:] = [[0.25, -0.5], [1.0, 0.0]]
+    assert np.allclose(writer.read_actions([1, 0]), [[1.0, 0.0], [0.25, -0.5]])
+    assert DONE_RECORD.size == 4
+    del writer
