@@ -58,12 +58,24 @@ def item_flags(
     return flags
 
 
-def encode_items(positions: Sequence[int] | np.ndarray, flags: np.ndarray | list[int]) -> bytes:
-    """The FAST_ITEMs of a batch, one per env."""
-    if len(flags) == 1:  # one env: struct is faster than a numpy record
+def encode_items(
+    positions: Sequence[int] | np.ndarray | None,
+    flags: np.ndarray | list[int],
+    out: np.ndarray | None = None,
+) -> bytes:
+    """The FAST_ITEMs of a batch, one per env.
+
+    Args:
+        positions: Each env's place in its worker; None when ``out`` holds them already.
+        flags: Each env's flags (``item_flags``).
+        out: An ``ITEM_DTYPE`` array to encode in, reused from step to step.
+    """
+    if len(flags) == 1 and out is None:  # one env: struct is faster than a numpy record
+        assert positions is not None
         return FAST_ITEM.pack(int(positions[0]), int(flags[0]))
-    items = np.empty(len(flags), dtype=ITEM_DTYPE)
-    items["position"] = positions
+    items = np.empty(len(flags), dtype=ITEM_DTYPE) if out is None else out
+    if positions is not None:
+        items["position"] = positions
     items["flags"] = flags
     return items.tobytes()
 

@@ -75,11 +75,12 @@ class SubprocessLink:
             handle.set_link(self._shared, worker_index, env_indices[worker_index])
         # Planned steps need env e at position e - first of its worker, workers in order.
         flat = [i for indices in env_indices for i in indices]
-        self._plan_positions: np.ndarray | None = None
+        self._plan_items: np.ndarray | None = None  # reused by every planned step
         if self._shared is not None and flat == list(range(num_envs)):
-            self._plan_positions = np.asarray(
-                [p for indices in env_indices for p in range(len(indices))], dtype=np.uint16
-            )
+            self._plan_items = np.zeros(num_envs, dtype=framing.ITEM_DTYPE)
+            self._plan_items["position"] = [
+                p for indices in env_indices for p in range(len(indices))
+            ]
 
     def wait_any(
         self,
@@ -139,8 +140,8 @@ class SubprocessLink:
 
     def plan_step(self, actions: Any, is_reset: np.ndarray, autoreset: bool) -> StepPlan | None:
         """Write every env's action and encode every env's item at once (array spaces only)."""
-        shared, positions = self._shared, self._plan_positions
-        if shared is None or shared.actions is None or positions is None:
+        shared, items = self._shared, self._plan_items
+        if shared is None or shared.actions is None or items is None:
             return None
         if actions.dtype != shared.actions.dtype:  # the envs get the values as given
             return None
@@ -151,8 +152,8 @@ class SubprocessLink:
             shared.actions[steps] = actions[steps]
         slots = shared.next_slots(slice(None))
         flags = framing.item_flags(is_reset, slots, autoreset)
-        items = framing.PlannedItems(framing.encode_items(positions, flags), slots)
-        return StepPlan(actions, is_reset, autoreset, items)
+        encoded = framing.encode_items(None, flags, out=items)
+        return StepPlan(actions, is_reset, autoreset, framing.PlannedItems(encoded, slots))
 
     def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Move ``index`` of a clean plan to its new slots; views of its rewards and flags."""

@@ -32,8 +32,8 @@ from a2c import (
     Adam,
     Args,
     Chaos,
-    Recorder,
     anneal,
+    arg,
     backend_options,
     collect_rollout,
     make_env,
@@ -44,17 +44,18 @@ from a2c import (
     split_by_envs,
     total_restarts,
 )
+from recording import Recorder
 
 from multienv import MultiEnv
 
 
 @dataclasses.dataclass
 class A3CArgs(Args):
-    learners: int = 4  # learner threads, each with its own envs
-    envs_per_learner: int = 2  # worker processes per learner (num_envs is learners times this)
-    n_steps: int = 8  # steps per env between one learner's updates
-    learning_rate: float = 7e-4  # Adam step size
-    updates_per_rollout: int = 1  # each learner's rollout is already small: one update
+    learners: int = arg(4, "learner threads, each with its own envs")
+    envs_per_learner: int = arg(2, "worker processes per learner (num_envs is learners times this)")
+    n_steps: int = arg(8, "steps per env between one learner's updates")
+    learning_rate: float = arg(7e-4, "Adam step size")
+    updates_per_rollout: int = arg(1, "each learner's rollout is already small: one update")
 
 
 def learner(

@@ -4,6 +4,8 @@ Run:
     python scripts/bench.py              # 6 cells (workload:N), 3 rounds (~20 min on 2 cores)
     python scripts/bench.py --quick      # cheap N=16 only, 1 round (~2 min)
     python scripts/bench.py --plot docs/bench.png   # chart the last run's bench-results.json
+    python scripts/bench.py --baseline /tmp/old --only-multienv   # A/B against another
+                                         # checkout (e.g. git worktree add /tmp/old HEAD~1)
     pip install -e ".[bench]"            # adds SB3 to the comparison (install torch's CPU
                                          # build first on a machine without a GPU)
 
@@ -55,6 +57,8 @@ class Args:
     json_out: str = "bench-results.json"  # where every sample is written
     child: str = ""  # internal: run one fresh-process measurement and print it as JSON
     plot: str = ""  # draw the throughput of json_out as a PNG at this path, and exit
+    baseline: str = ""  # a checkout of multienv: its multienv rows are measured too, interleaved
+    only_multienv: bool = False  # measure only the multienv rows (and the loop, for ratios)
 
 
 # ----------------------------------------------------------------- workloads
@@ -309,6 +313,10 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
     """Every implementation, each sample in a fresh process, interleaved over rounds."""
     _, single_rate = WORKLOADS[workload]
     names = implementations(n)
+    if args.only_multienv:
+        names = [name for name in names if name.startswith(("multienv", "sequential", "gym"))]
+    if args.baseline:
+        names += [f"{name} @baseline" for name in names if name.startswith("multienv")]
     # Size a run so the sequential loop takes about args.seconds; parallel ones take less.
     vector_steps = max(20, int(single_rate * args.seconds / n))
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
@@ -340,6 +348,10 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
             ),
             "samples": values,
         }
+        if name.endswith(" @baseline"):
+            row["x_this_vs_baseline"] = 1 / ratio(
+                [v["steps_per_s"] for v in samples[name.removesuffix(" @baseline")]]
+            )
         if puffer:  # PufferLib's best layout within each round
             best = [max(samples[p][r]["steps_per_s"] for p in puffer) for r in range(args.rounds)]
             row["x_puffer_best"] = ratio(best)
@@ -356,7 +368,10 @@ def print_table(workload: str, n: int, rows: dict[str, Any]) -> None:
         line = f"{name:<26}{row['steps_per_s']:>10,.0f}{row['x_loop']:>8.2f}{row['x_async']:>9.2f}"
         if has_puffer:
             line += f"{row['x_puffer_best']:>10.2f}"
-        print(line + f"{row['cores_busy']:>7.2f}{row['cpu_us_per_step']:>13.1f}")
+        line += f"{row['cores_busy']:>7.2f}{row['cpu_us_per_step']:>13.1f}"
+        if "x_this_vs_baseline" in row:
+            line += f"  this/baseline {row['x_this_vs_baseline']:.3f}"
+        print(line)
 
 
 # ----------------------------------------------------------------- start-up, respawn, memory
@@ -489,9 +504,16 @@ def run_child(args: Args) -> int:
 
 
 def in_fresh_process(args: Args, child: str) -> Any:
-    """Run ``bench.py --child child`` and return what it printed last."""
+    """Run ``bench.py --child child`` and return what it printed last.
+
+    A child named ``... @baseline`` imports ``multienv`` from ``args.baseline`` instead.
+    """
+    env = None
+    if child.endswith(" @baseline"):
+        child = child.removesuffix(" @baseline")
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline))
     command = [sys.executable, __file__, "--child", child, "--kills", str(args.kills)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -537,6 +559,10 @@ def main(args: Args) -> int:
         rows = measure_throughput(args, workload, int(n))
         results["throughput"][f"{workload}/N={n}"] = rows
         print_table(workload, int(n), rows)
+    if args.only_multienv:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+        return 0
     startup = time_startup(16)
     results["startup_s_n16"] = startup
     print("\nstart-up, N=16 CartPole, construct + first reset, fresh process (median of 3):")

@@ -52,13 +52,14 @@ def test_autoreset_rule(
     if ended:
         env.step(0)
     rule = Autoreset(mode, 1)
-    obs, reward, terminated, truncated, info, final = step_env(
+    obs, _reward, terminated, truncated, info, final = step_env(
         env, 0, 0, rule.is_same_step, no_check
     )
     assert terminated is ended
     assert (final is not None) is worker_resets
     if worker_resets:
-        assert final == (12, {"t": 2}) and (obs, info) == (20, {"reset": 2})
+        assert final == (12, {"t": 2})
+        assert (obs, info) == (20, {"reset": 2})
     rule.after_step([0], np.array([terminated]), np.array([truncated]))
     assert rule.resets([0]).tolist() == [next_resets]
     if misuse:
@@ -82,7 +83,8 @@ def test_a_crash_under_same_step_asks_the_vector_to_reset_and_lifts_the_flag() -
     rule = Autoreset(AutoresetMode.SAME_STEP, 1)
     flag = {"multienv": {"restarted": True, "cause": "SIGKILL", "restarts": 1}}
     info, must_reset = rule.step_info(Outcome(info=flag), is_done=True)
-    assert must_reset and info == flag
+    assert must_reset
+    assert info == flag
     merged = same_step_info(7, info, {"reset": 3})
     assert merged == {"final_obs": 7, "final_info": flag, **flag, "reset": 3}
 

@@ -24,7 +24,8 @@ def test_fast_batch_items_round_trip(size: int, autoreset: bool) -> None:
     frame = framing.fast_batch_frame(9, framing.encode_items(positions, flags))
     payload = frame[4:]
     assert int.from_bytes(frame[:4], "big") == len(payload)
-    assert payload[0] == framing.FAST_BATCH and payload[0] < 0x80  # never a pickle
+    assert payload[0] == framing.FAST_BATCH
+    assert payload[0] < 0x80
     seq, items = framing.decode_fast_batch(payload)
     decoded = list(items)
     assert seq == 9

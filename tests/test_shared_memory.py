@@ -36,7 +36,11 @@ def writer_for(shared: SharedBatch, worker_index: int, env_indices: list[int]) -
     layout = pickle.loads(pickle.dumps(shared.layout))  # as the worker receives it
     assert shared.fd is not None
     return SlotWriter(
-        layout, os.dup(shared.fd), os.dup(shared.done_write(worker_index)), worker_index, env_indices
+        layout,
+        os.dup(shared.fd),
+        os.dup(shared.done_write(worker_index)),
+        worker_index,
+        env_indices,
     )
 
 

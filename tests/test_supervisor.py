@@ -132,7 +132,8 @@ def test_crash_loop_spends_the_budget_then_raises_and_stays_broken() -> None:
     supervisor.start()
     with pytest.raises(EnvCrashLoopError) as caught:
         supervisor.initialize()
-    assert caught.value.restarts == 3 and caught.value.cause == "exit code 3"
+    assert caught.value.restarts == 3
+    assert caught.value.cause == "exit code 3"
     assert caught.value.stderr_tail == ("boom",)
     assert supervisor.state is EnvState.BROKEN
     with pytest.raises(EnvCrashLoopError):
@@ -165,7 +166,8 @@ def test_step_deadline_is_per_env_step_timeout_times_steps() -> None:
     before = time.monotonic()
     supervisor.run(steps(3))
     deadline = handle.deadlines[-1]
-    assert deadline is not None and before + 6.0 <= deadline <= time.monotonic() + 6.0
+    assert deadline is not None
+    assert before + 6.0 <= deadline <= time.monotonic() + 6.0
 
 
 def test_no_timeouts_means_no_deadline() -> None:
@@ -184,13 +186,16 @@ def test_death_mid_step_returns_flagged_truncations_with_last_obs() -> None:
     handle.replies.append(Death("SIGKILL"))
     got, errors = supervisor.run(steps(2))
     assert errors == {}
-    assert got.truncated.tolist() == [True, True] and got.terminated.tolist() == [False, False]
+    assert got.truncated.tolist() == [True, True]
+    assert got.terminated.tolist() == [False, False]
     assert got.rewards.tolist() == [0.0, 0.0]
-    assert got.obs is not None and got.obs[1].tolist() == [1.0, 1.0]
+    assert got.obs is not None
+    assert got.obs[1].tolist() == [1.0, 1.0]
     assert got.extras[0].info == {
         "multienv": {"restarted": True, "cause": "SIGKILL", "restarts": 1}
     }
-    assert handle.spawns == 2 and supervisor.stats.steps.tolist() == [2, 2]
+    assert handle.spawns == 2
+    assert supervisor.stats.steps.tolist() == [2, 2]
 
 
 def test_env_not_in_the_dying_batch_gets_its_truncation_on_its_next_step() -> None:
@@ -208,7 +213,8 @@ def test_death_during_reset_replays_the_reset_on_the_fresh_worker() -> None:
     supervisor = ready(handle)
     handle.replies.extend([Death("SIGKILL"), result(1)])
     got, errors = supervisor.run(resets(1))
-    assert errors == {} and not got.truncated[0]
+    assert errors == {}
+    assert not got.truncated[0]
     assert len([s for s in handle.sent if isinstance(s, Batch)]) == 2
 
 
@@ -227,9 +233,11 @@ def test_env_exception_is_env_error_naming_the_env_and_worker_stays() -> None:
     failure = RemoteFailure("ValueError", "bad action", "Traceback ...", ValueError("bad"), 1)
     handle.replies.append(result(2, extras={1: Outcome(failure=failure)}))
     _, errors = supervisor.run(steps(2))
-    assert isinstance(errors[1], EnvError) and errors[1].env_index == 1
+    assert isinstance(errors[1], EnvError)
+    assert errors[1].env_index == 1
     assert "env 1: worker (pid 1001) raised ValueError in step(): bad action" in str(errors[1])
-    assert handle.kills == 0 and supervisor.stats.steps.tolist() == [1, 0]
+    assert handle.kills == 0
+    assert supervisor.stats.steps.tolist() == [1, 0]
 
 
 def test_restart_on_error_treats_the_exception_as_a_death() -> None:
@@ -238,7 +246,8 @@ def test_restart_on_error_treats_the_exception_as_a_death() -> None:
     failure = RemoteFailure("ValueError", "bad", "tb", None, 0)
     handle.replies.append(result(1, extras={0: Outcome(failure=failure)}))
     got, errors = supervisor.run(steps(1))
-    assert errors == {} and got.truncated[0]
+    assert errors == {}
+    assert got.truncated[0]
     assert supervisor.stats.last_failure == "error: ValueError"
 
 
@@ -247,13 +256,16 @@ def test_recycle_starts_a_standby_near_the_budget_and_swaps_at_the_boundary() ->
     supervisor = ready(handle, recycle=RecyclePolicy(max_episodes=1))
     handle.replies.append(result(1, done=True))
     supervisor.run(steps(1))  # the last episode of the budget: the standby starts
-    assert handle.prestarts == 1 and handle.retired == 0
+    assert handle.prestarts == 1
+    assert handle.retired == 0
     handle.replies.append(Reply(np.random.default_rng(0)))  # the old env's np_random
     handle.replies.append(result(1))
     got, _ = supervisor.run(resets(1))  # the boundary: swap, then reset the fresh env
-    assert handle.retired == 1 and handle.spawns == 2
+    assert handle.retired == 1
+    assert handle.spawns == 2
     assert got.extras[0].info["multienv"] == {"recycled": True, "reason": "max_episodes"}
-    assert supervisor.stats.recycles == 1 and supervisor.stats.restarts == 0
+    assert supervisor.stats.recycles == 1
+    assert supervisor.stats.restarts == 0
 
 
 def test_recycle_does_not_swap_mid_episode() -> None:
@@ -262,7 +274,8 @@ def test_recycle_does_not_swap_mid_episode() -> None:
     handle.replies.extend([result(1), result(1)])
     supervisor.run(steps(1))
     supervisor.run(steps(1))  # due, but the episode goes on
-    assert handle.retired == 0 and handle.spawns == 1
+    assert handle.retired == 0
+    assert handle.spawns == 1
 
 
 def test_close_is_idempotent_and_later_calls_raise_closed() -> None:
