@@ -10,20 +10,15 @@ worker answers with one record on the done pipe.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import os
 import select
 import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
-from multiprocessing.reduction import send_handle
 from typing import Any
 
 import numpy as np
@@ -32,6 +27,7 @@ from gymnasium.error import ClosedEnvironmentError
 from multienv import framing
 from multienv.framing import DONE_OK, MessageReader, decode, encode, frame, write_frame
 from multienv.handles import Death
+from multienv.process_launch import LinkPayload, Standby, WorkerRecipe, attach, poll_ms
 from multienv.process_reaper import PIPE_ERRORS, RETIRE_TIMEOUT_S, reaper, stop_process
 from multienv.procfs import resident_mb
 from multienv.protocol import (
@@ -45,124 +41,25 @@ from multienv.protocol import (
     StepPlan,
     failed_batch,
     unpack_outcomes,
-    worker_main,
 )
 from multienv.shared_memory import SharedBatch
 
 logger = logging.getLogger(__name__)
 
-_STDERR_TAIL_LINES = 30
-_STANDBY_READY_S = 60.0  # a standby worker slower than this to build its envs is replaced
-_STANDBY_LAUNCH_S = 10.0  # close() waits this long for a standby's launch to finish
 _DONE_OK_REPLY = Reply()  # what a DONE_OK record stands for
-
-
-@dataclasses.dataclass
-class _Launched:
-    """A started worker process, with the parent's ends of its pipes."""
-
-    process: BaseProcess
-    conn: Connection
-    reader: MessageReader
-    stderr_tail: deque[str]
-    stderr_pump: threading.Thread
-
-    def kill(self) -> None:
-        """Stop a worker no one took over, at once: CLOSE, then kill, then reap."""
-        stop_process(self.process, self.conn, self.stderr_pump, 0.0)
-
-
-@dataclasses.dataclass
-class _Standby:
-    """A recycle's replacement worker, started ahead by its ``waiter`` thread.
-
-    The thread launches the process (a fork through the forkserver takes milliseconds, too
-    long for the step that asks for it), waits for its envs and attaches it to the vector's
-    shared memory, so that taking it over costs no wait. ``ready`` keeps the worker's first
-    reply; it stays None if the worker died or was too slow.
-    """
-
-    waiter: threading.Thread | None = None
-    launched: _Launched | None = None
-    ready: Reply | None = None
-
-
-def _await_ready(
-    launched: _Launched, deadline: float, link: tuple[Any, int, int, int] | None
-) -> Reply | None:
-    """A standby's first reply, unless it dies or ``deadline`` passes (then None).
-
-    A worker of a vector with shared memory is attached to it here too (``link``).
-    """
-    fd, sentinel = launched.conn.fileno(), launched.process.sentinel
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    poller.register(sentinel, select.POLLIN)
-
-    def receive() -> Reply | Death:
-        try:
-            fds = [ready_fd for ready_fd, _ in poller.poll(poll_ms(deadline, time.monotonic()))]
-            if fd in fds:
-                reply: Reply = decode(launched.reader.read())
-                return reply
-        except (*PIPE_ERRORS, OSError, ValueError):  # dead, or stop() closed the pipe
-            pass
-        return Death("standby")  # died, or too slow: the taker starts a fresh worker
-
-    ready = receive()
-    if isinstance(ready, Death):
-        return None
-    if link is not None and ready.failure is None and _attach(launched.conn, link, receive):
-        return None
-    return ready
-
-
-def _attach(
-    conn: Connection, link: tuple[Any, int, int, int], receive: Callable[[], Reply | Death]
-) -> Death | None:
-    """Attach a worker to its vector's shared memory: the command, then the fds, each acked."""
-    payload, memory_fd, done_fd, pid = link
-
-    def send_attach() -> None:
-        framing.write_message(conn.fileno(), encode(Request(Command.ATTACH, -1, payload)))
-
-    def send_fds() -> None:
-        send_handle(conn, memory_fd, pid)
-        send_handle(conn, done_fd, pid)
-
-    for send in (send_attach, send_fds):
-        try:
-            send()
-        except PIPE_ERRORS:
-            pass  # the worker is dead; receive() sees its sentinel
-        reply = receive()
-        if isinstance(reply, Death):
-            return reply
-    return None
 
 
 class ProcessHandle:
     """The transport to one daemon worker process hosting k envs (``WorkerHandle``).
 
     Args:
-        context: The multiprocessing context to start the process with.
-        env_fn_bytes: The cloudpickled factories of the worker's envs, by position.
-        env_index: The index of the worker's first env, for names and messages.
-        daemon: Start the worker as a daemon process.
+        recipe: How to start the worker process.
     """
 
-    def __init__(
-        self,
-        context: BaseContext,
-        env_fn_bytes: Sequence[bytes],
-        env_index: int,
-        daemon: bool = True,
-    ) -> None:
+    def __init__(self, recipe: WorkerRecipe) -> None:
         """Keep what a spawn needs; no process is started yet."""
-        self._daemon = daemon
-        self._context = context
-        self._env_fn_bytes = list(env_fn_bytes)
-        self._env_index = env_index
+        self._recipe = recipe
+        self._env_index = recipe.env_index
         self._process: BaseProcess | None = None  # None once reaped
         self._pid: int | None = None
         self._conn: Connection | None = None
@@ -170,9 +67,9 @@ class ProcessHandle:
         self._reader: MessageReader | None = None
         self._poller: Any = None  # select.poll over the pipe, the sentinel and the done pipe
         self._stderr_pump: threading.Thread | None = None
-        self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        self._stderr_tail: deque[str] = deque()
         self._is_closing = threading.Event()
-        self._standby: _Standby | None = None  # a recycle's replacement, started ahead
+        self._standby: Standby | None = None  # a recycle's replacement, started ahead
         self._ready_reply: Reply | None = None  # a standby's, for the handshake after spawn
         self._reaped: list[threading.Event] = []  # set when a retired worker is gone
         # Set by SubprocessLink: the vector's shared memory and this worker's place in it.
@@ -208,17 +105,12 @@ class ProcessHandle:
         """Start a new worker process (or take the standby); its envs are built meanwhile."""
         self._release()
         standby, self._standby = self._standby, None
-        launched, ready = None, None
-        if standby is not None:
-            assert standby.waiter is not None
-            standby.waiter.join()  # at once if its envs are built: it started ahead
-            launched, ready = standby.launched, standby.ready
-            # Dead or stuck before it was ready, or died since: start afresh.
-            if launched is not None and (ready is None or launched.process.exitcode is not None):
-                launched.kill()
-                launched, ready = None, None
-        if launched is None:
-            launched = self._launch()
+        ready: Reply | None = None
+        taken = None if standby is None else standby.take()
+        if taken is not None:
+            launched, ready = taken
+        else:
+            launched = self._recipe.launch()
         self._ready_reply = ready
         process = launched.process
         self._process, self._conn, self._pid = process, launched.conn, process.pid
@@ -236,28 +128,10 @@ class ProcessHandle:
     def prestart(self) -> None:
         """Start a standby worker, which the next ``spawn()`` takes over; idempotent."""
         if self._standby is None and not self._is_closing.is_set():
-            standby = _Standby()
-            standby.waiter = threading.Thread(
-                target=self._start_standby,
-                args=(standby,),
-                name=f"multienv-standby-{self._env_index}",
-                daemon=True,
-            )
-            standby.waiter.start()
-            self._standby = standby
+            self._standby = Standby(self._recipe, self._standby_link, self._is_closing)
 
-    def _start_standby(self, standby: _Standby) -> None:
-        """The standby's waiter: launch it, wait for its envs, attach it to the vector."""
-        try:
-            launched = self._launch()
-        except Exception:
-            logger.debug("env %d: the standby worker did not start", self._env_index, exc_info=True)
-            return
-        standby.launched = launched
-        if self._is_closing.is_set():
-            return  # stop() stops it
-        link = None if self._shared is None else self._link_payload(launched.process.pid or 0)
-        standby.ready = _await_ready(launched, time.monotonic() + _STANDBY_READY_S, link)
+    def _standby_link(self, pid: int) -> LinkPayload | None:
+        return None if self._shared is None else self._link_payload(pid)
 
     def retire(self) -> None:
         """Ask the current worker to close its envs and exit; reaped on a background thread.
@@ -274,41 +148,6 @@ class ProcessHandle:
     def rss_mb(self) -> float | None:
         """Resident memory of the current worker in MiB; None if it cannot be read."""
         return None if self._pid is None else resident_mb(self._pid)
-
-    def _launch(self) -> _Launched:
-        parent_conn, child_conn = self._context.Pipe()
-        stderr_read, stderr_write = self._context.Pipe(duplex=False)
-        is_forkserver = self._context.get_start_method() == "forkserver"
-        process = self._context.Process(  # type: ignore[attr-defined]
-            target=worker_main,
-            args=(
-                child_conn,
-                stderr_write,
-                self._env_fn_bytes,
-                self._env_index,
-                os.getpid(),
-                is_forkserver,
-            ),
-            name=f"multienv-worker-{self._env_index}",
-            daemon=self._daemon,
-        )
-        try:
-            process.start()
-        finally:
-            child_conn.close()
-            stderr_write.close()
-        stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
-        stderr_pump = threading.Thread(
-            target=_pump_stderr,
-            args=(stderr_read, stderr_tail),
-            name=f"multienv-stderr-{self._env_index}",
-            daemon=True,
-        )
-        stderr_pump.start()
-        logger.info("env %d: started worker pid %d", self._env_index, process.pid)
-        return _Launched(
-            process, parent_conn, MessageReader(parent_conn.fileno()), stderr_tail, stderr_pump
-        )
 
     def handshake(self, deadline: float | None) -> Reply | Death:
         """Wait for the worker's envs; a linked worker is then attached to the shared memory."""
@@ -339,13 +178,7 @@ class ProcessHandle:
         began = time.monotonic()
         standby, self._standby = self._standby, None
         if standby is not None:
-            launched = standby.launched
-            if launched is not None:  # closing its pipe also ends the waiter's wait
-                launched.kill()
-            assert standby.waiter is not None
-            standby.waiter.join(_STANDBY_LAUNCH_S)
-            if launched is None and standby.launched is not None:  # it was being launched
-                standby.launched.kill()
+            standby.stop()
         process, conn, pump = self._process, self._conn, self._stderr_pump
         if process is not None and conn is not None:
             # The fields stay set meanwhile: a thread waiting on this worker sees it go,
@@ -502,11 +335,11 @@ class ProcessHandle:
             return None
         assert self._conn is not None
         self._notify_seq = 0
-        return _attach(
+        return attach(
             self._conn, self._link_payload(self._pid or 0), lambda: self._receive(deadline)
         )
 
-    def _link_payload(self, pid: int) -> tuple[Any, int, int, int]:
+    def _link_payload(self, pid: int) -> LinkPayload:
         """What ``_attach`` sends worker ``pid``: the ATTACH payload and the two fds."""
         shared = self._shared
         assert shared is not None
@@ -622,11 +455,6 @@ def _same_dtype(actions: Any, shared_actions: np.ndarray) -> bool:
     return isinstance(actions, np.ndarray) and actions.dtype == shared_actions.dtype
 
 
-def poll_ms(deadline: float | None, now: float) -> int | None:
-    """The ``poll()`` timeout that ends at ``deadline`` (monotonic seconds); None waits forever."""
-    return None if deadline is None else max(0, math.ceil((deadline - now) * 1000))
-
-
 def _describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "unknown"
@@ -636,23 +464,3 @@ def _describe_exit(exitcode: int | None) -> str:
         except ValueError:
             return f"signal {-exitcode}"
     return f"exit code {exitcode}"
-
-
-def _pump_stderr(read_conn: Connection, tail: deque[str]) -> None:
-    """Forward a worker's stderr to ours, keeping its last lines for crash reports."""
-    fd = read_conn.fileno()
-    partial = b""
-    try:
-        while chunk := os.read(fd, 65536):
-            try:
-                os.write(2, chunk)
-            except OSError:
-                pass  # our own stderr is gone; keep collecting the tail
-            *lines, partial = (partial + chunk).split(b"\n")
-            tail.extend(line.decode(errors="replace") for line in lines)
-    except OSError:
-        pass
-    finally:
-        if partial:
-            tail.append(partial.decode(errors="replace"))
-        read_conn.close()

@@ -20,7 +20,8 @@ from gymnasium.vector.utils import create_shared_memory
 
 from multienv import framing
 from multienv.handles import VectorLink, WorkerHandle
-from multienv.process_handle import ProcessHandle, poll_ms
+from multienv.process_handle import ProcessHandle
+from multienv.process_launch import poll_ms
 from multienv.protocol import StepPlan
 from multienv.shared_memory import BatchLayout, SharedBatch
 

@@ -23,6 +23,7 @@ from multienv.forkserver import forkserver_context
 from multienv.handles import Backend, keyword_options
 from multienv.lifecycle import EnvState
 from multienv.process_handle import ProcessHandle
+from multienv.process_launch import WorkerRecipe
 from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 from multienv.shm_link import open_subprocess_link
@@ -152,7 +153,7 @@ def _supervise(
     def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
         # After the options are checked and the factories pickled: may start the forkserver.
         resolved = resolve_context(context, preload_names)
-        return ProcessHandle(resolved, env_fn_bytes, first_env_index, daemon)
+        return ProcessHandle(WorkerRecipe(resolved, env_fn_bytes, first_env_index, daemon))
 
     return supervise(env_fns, first_env_index, make_handle, BACKEND, **supervisor_options)
 

@@ -1,0 +1,252 @@
+"""PARENT SIDE, subprocess backend: starting a worker process, now or ahead as a standby.
+
+``WorkerRecipe.launch`` starts one worker process (through the forkserver by default) with
+a pipe for calls and one for its stderr, which a thread forwards to ours while keeping the
+last lines for crash reports. A ``Standby`` is a recycle's replacement worker, launched,
+built and attached to the vector's shared memory on a thread of its own, so that taking it
+over costs the step no wait. ``attach`` gives a worker its vector's shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import select
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import send_handle
+from typing import Any
+
+from multienv import framing
+from multienv.framing import MessageReader, decode, encode
+from multienv.handles import Death
+from multienv.process_reaper import PIPE_ERRORS, stop_process
+from multienv.protocol import Command, Reply, Request, worker_main
+
+logger = logging.getLogger(__name__)
+
+_STDERR_TAIL_LINES = 30
+_STANDBY_READY_S = 60.0  # a standby worker slower than this to build its envs is replaced
+_STANDBY_LAUNCH_S = 10.0  # stop() waits this long for a standby's launch to finish
+
+# What ``attach`` sends a worker: the ATTACH payload, the memory fd, the done fd, its pid.
+LinkPayload = tuple[Any, int, int, int]
+
+
+@dataclasses.dataclass
+class Launched:
+    """A started worker process, with the parent's ends of its pipes."""
+
+    process: BaseProcess
+    conn: Connection
+    reader: MessageReader
+    stderr_tail: deque[str]
+    stderr_pump: threading.Thread
+
+    def kill(self) -> None:
+        """Stop a worker no one took over, at once: CLOSE, then kill, then reap."""
+        stop_process(self.process, self.conn, self.stderr_pump, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRecipe:
+    """What starting one worker process takes.
+
+    Attributes:
+        context: The multiprocessing context to start the process with.
+        env_fn_bytes: The cloudpickled factories of the worker's envs, by position.
+        env_index: The index of the worker's first env, for names and messages.
+        daemon: Start the worker as a daemon process.
+    """
+
+    context: BaseContext
+    env_fn_bytes: Sequence[bytes]
+    env_index: int
+    daemon: bool = True
+
+    def launch(self) -> Launched:
+        """Start the process and the thread that forwards its stderr."""
+        parent_conn, child_conn = self.context.Pipe()
+        stderr_read, stderr_write = self.context.Pipe(duplex=False)
+        is_forkserver = self.context.get_start_method() == "forkserver"
+        process = self.context.Process(  # type: ignore[attr-defined]
+            target=worker_main,
+            args=(
+                child_conn,
+                stderr_write,
+                list(self.env_fn_bytes),
+                self.env_index,
+                os.getpid(),
+                is_forkserver,
+            ),
+            name=f"multienv-worker-{self.env_index}",
+            daemon=self.daemon,
+        )
+        try:
+            process.start()
+        finally:
+            child_conn.close()
+            stderr_write.close()
+        stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        stderr_pump = threading.Thread(
+            target=pump_stderr,
+            args=(stderr_read, stderr_tail),
+            name=f"multienv-stderr-{self.env_index}",
+            daemon=True,
+        )
+        stderr_pump.start()
+        logger.info("env %d: started worker pid %d", self.env_index, process.pid)
+        return Launched(
+            process, parent_conn, MessageReader(parent_conn.fileno()), stderr_tail, stderr_pump
+        )
+
+
+class Standby:
+    """A recycle's replacement worker, started ahead by its waiter thread.
+
+    The thread launches the process (a fork through the forkserver takes milliseconds, too
+    long for the step that asks for it), waits for its envs and attaches it to the vector's
+    shared memory, so that taking it over costs no wait.
+
+    Args:
+        recipe: How to start the worker.
+        link_payload: What to attach the worker (by pid) to; None when not linked.
+        is_closing: Set once the owner closes: the standby is then stopped, not used.
+    """
+
+    def __init__(
+        self,
+        recipe: WorkerRecipe,
+        link_payload: Callable[[int], LinkPayload | None],
+        is_closing: threading.Event,
+    ) -> None:
+        """Start the waiter thread."""
+        self._recipe = recipe
+        self._link_payload = link_payload
+        self._is_closing = is_closing
+        self._launched: Launched | None = None
+        self._ready: Reply | None = None  # the worker's first reply; None if dead or slow
+        self._waiter = threading.Thread(
+            target=self._run, name=f"multienv-standby-{recipe.env_index}", daemon=True
+        )
+        self._waiter.start()
+
+    def take(self) -> tuple[Launched, Reply] | None:
+        """The worker and its first reply, once ready; None (and it is stopped) if it failed."""
+        self._waiter.join()  # at once if its envs are built: it started ahead
+        launched, ready = self._launched, self._ready
+        if launched is None:
+            return None
+        # Dead or stuck before it was ready, or died since: the taker starts afresh.
+        if ready is None or launched.process.exitcode is not None:
+            launched.kill()
+            return None
+        return launched, ready
+
+    def stop(self) -> None:
+        """Stop the standby, whatever it is doing."""
+        launched = self._launched
+        if launched is not None:  # closing its pipe also ends the waiter's wait
+            launched.kill()
+        self._waiter.join(_STANDBY_LAUNCH_S)
+        if launched is None and self._launched is not None:  # it was being launched
+            self._launched.kill()
+
+    def _run(self) -> None:
+        """Launch the worker, wait for its envs, attach it to the vector."""
+        try:
+            launched = self._recipe.launch()
+        except Exception:
+            logger.debug(
+                "env %d: the standby worker did not start", self._recipe.env_index, exc_info=True
+            )
+            return
+        self._launched = launched
+        if self._is_closing.is_set():
+            return  # stop() stops it
+        link = self._link_payload(launched.process.pid or 0)
+        self._ready = _await_ready(launched, time.monotonic() + _STANDBY_READY_S, link)
+
+
+def _await_ready(launched: Launched, deadline: float, link: LinkPayload | None) -> Reply | None:
+    """A standby's first reply, unless it dies or ``deadline`` passes (then None).
+
+    A worker of a vector with shared memory is attached to it here too (``link``).
+    """
+    fd, sentinel = launched.conn.fileno(), launched.process.sentinel
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.register(sentinel, select.POLLIN)
+
+    def receive() -> Reply | Death:
+        try:
+            fds = [ready_fd for ready_fd, _ in poller.poll(poll_ms(deadline, time.monotonic()))]
+            if fd in fds:
+                reply: Reply = decode(launched.reader.read())
+                return reply
+        except (*PIPE_ERRORS, OSError, ValueError):  # dead, or stop() closed the pipe
+            pass
+        return Death("standby")  # died, or too slow: the taker starts a fresh worker
+
+    ready = receive()
+    if isinstance(ready, Death):
+        return None
+    if link is not None and ready.failure is None and attach(launched.conn, link, receive):
+        return None
+    return ready
+
+
+def attach(
+    conn: Connection, link: LinkPayload, receive: Callable[[], Reply | Death]
+) -> Death | None:
+    """Attach a worker to its vector's shared memory: the command, then the fds, each acked."""
+    payload, memory_fd, done_fd, pid = link
+
+    def send_attach() -> None:
+        framing.write_message(conn.fileno(), encode(Request(Command.ATTACH, -1, payload)))
+
+    def send_fds() -> None:
+        send_handle(conn, memory_fd, pid)
+        send_handle(conn, done_fd, pid)
+
+    for send in (send_attach, send_fds):
+        try:
+            send()
+        except PIPE_ERRORS:
+            pass  # the worker is dead; receive() sees its sentinel
+        reply = receive()
+        if isinstance(reply, Death):
+            return reply
+    return None
+
+
+def poll_ms(deadline: float | None, now: float) -> int | None:
+    """The ``poll()`` timeout that ends at ``deadline`` (monotonic seconds); None waits forever."""
+    return None if deadline is None else max(0, math.ceil((deadline - now) * 1000))
+
+
+def pump_stderr(read_conn: Connection, tail: deque[str]) -> None:
+    """Forward a worker's stderr to ours, keeping its last lines for crash reports."""
+    fd = read_conn.fileno()
+    partial = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            try:
+                os.write(2, chunk)
+            except OSError:
+                pass  # our own stderr is gone; keep collecting the tail
+            *lines, partial = (partial + chunk).split(b"\n")
+            tail.extend(line.decode(errors="replace") for line in lines)
+    except OSError:
+        pass
+    finally:
+        if partial:
+            tail.append(partial.decode(errors="replace"))
+        read_conn.close()
