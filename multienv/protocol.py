@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -139,6 +140,17 @@ class Batch:
     np_randoms: list[Any] | None = None
     keep_np_randoms: bool = False
 
+    def subset(self, items: Sequence[int]) -> Batch:
+        """The batch of only ``items`` of this one."""
+        return Batch(
+            [self.positions[item] for item in items],
+            self.is_reset[list(items)],
+            [self.actions[item] for item in items],
+            self.autoreset,
+            None if self.seeds is None else [self.seeds[item] for item in items],
+            None if self.options is None else [self.options[item] for item in items],
+        )
+
     def orders(self) -> list[Order]:
         """The batch as one ``Order`` per item, for the pickled path."""
         return [
@@ -210,6 +222,29 @@ class BatchResult:
     truncated: np.ndarray
     obs: list[Any] | None
     extras: dict[int, Outcome]
+
+    @staticmethod
+    def empty(size: int) -> BatchResult:
+        """A result of ``size`` items with nothing in it yet (no observations)."""
+        return BatchResult(
+            np.zeros(size, dtype=np.float64),
+            np.zeros(size, dtype=np.bool_),
+            np.zeros(size, dtype=np.bool_),
+            None,
+            {},
+        )
+
+    def merge(self, part: BatchResult, items: Sequence[int]) -> None:
+        """Write ``part``, the result of ``items`` of this batch, into this result."""
+        index = list(items)
+        self.rewards[index] = part.rewards
+        self.terminated[index] = part.terminated
+        self.truncated[index] = part.truncated
+        if self.obs is not None and part.obs is not None:
+            for item, obs in zip(index, part.obs, strict=True):
+                self.obs[item] = obs
+        for item, extra in part.extras.items():
+            self.extras[index[item]] = extra
 
 
 def unpack_outcomes(outcomes: list[Outcome]) -> BatchResult:

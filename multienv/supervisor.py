@@ -39,15 +39,13 @@ from typing import Any
 
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
-from gymnasium.vector.utils import batch_space, create_empty_array, iterate
 
 from multienv.errors import (
     EnvCrashedError,
-    EnvCrashLoopError,
     EnvError,
     EnvStateError,
-    env_error_class,
 )
+from multienv.failures import RestartLedger, envs_text, remote_error
 from multienv.handles import Backend, Death, SharedMemoryHandle, WorkerHandle
 from multienv.lifecycle import HINTS, TRANSITIONS, EnvState
 from multienv.log_limit import failure_log
@@ -57,24 +55,17 @@ from multienv.protocol import (
     BatchResult,
     Command,
     EnvDescription,
-    Outcome,
     RemoteFailure,
-    RemoteTraceback,
     Request,
     StepPlan,
 )
 from multienv.recycle import RecyclePolicy
 from multienv.recycler import Recycler
 from multienv.restart import RestartPolicy
+from multienv.truncation import CutEpisodes
 from multienv.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
-
-_EARLY_EXIT_HINT = (
-    "\nA worker that exits before multienv's worker code runs in it, for example while it "
-    "imports your script, writes to this process's stderr instead: look above. If your "
-    'script creates envs at its top level, move that under `if __name__ == "__main__":`.'
-)
 
 
 @dataclasses.dataclass
@@ -90,41 +81,6 @@ class _Pending:
     sent_at: float
     plan: StepPlan | None = None  # a planned step: this worker's envs are plan_slice
     plan_slice: slice | None = None
-
-
-def subset(batch: Batch, items: Sequence[int]) -> Batch:
-    """The batch of only ``items`` of ``batch``."""
-    return Batch(
-        [batch.positions[item] for item in items],
-        batch.is_reset[list(items)],
-        [batch.actions[item] for item in items],
-        batch.autoreset,
-        None if batch.seeds is None else [batch.seeds[item] for item in items],
-        None if batch.options is None else [batch.options[item] for item in items],
-    )
-
-
-def _empty_result(size: int) -> BatchResult:
-    return BatchResult(
-        np.zeros(size, dtype=np.float64),
-        np.zeros(size, dtype=np.bool_),
-        np.zeros(size, dtype=np.bool_),
-        None,
-        {},
-    )
-
-
-def _merge(into: BatchResult, part: BatchResult, items: Sequence[int]) -> None:
-    """Write ``part``, the result of ``items`` of a batch, into the batch's result."""
-    index = list(items)
-    into.rewards[index] = part.rewards
-    into.terminated[index] = part.terminated
-    into.truncated[index] = part.truncated
-    if into.obs is not None and part.obs is not None:
-        for item, obs in zip(index, part.obs, strict=True):
-            into.obs[item] = obs
-    for item, extra in part.extras.items():
-        into.extras[index[item]] = extra
 
 
 class WorkerSupervisor:
@@ -166,7 +122,9 @@ class WorkerSupervisor:
         self.env_indices = list(env_indices)
         self._open_positions = set(range(len(self.env_indices)))  # envs whose proxy is open
         self.descriptions: list[EnvDescription] = []
-        self._restart_policy = restart_policy if restart_policy is not None else RestartPolicy()
+        self._ledger = RestartLedger(
+            restart_policy if restart_policy is not None else RestartPolicy(), self.env_indices
+        )
         self._step_timeout = step_timeout
         self._reset_timeout = reset_timeout
         self._init_timeout = init_timeout
@@ -176,11 +134,13 @@ class WorkerSupervisor:
         self._init_deadline: float | None = None
         self._pending: _Pending | None = None
         self._planned = _Pending(None, None, None, {}, None, None, 0.0)  # see submit_planned
-        self._lost: dict[int, str] = {}  # positions whose episode a death cut, not yet told
-        self._last_obs: list[Any] = [None] * len(self.env_indices)  # when not in shared memory
-        self._restart_times: list[float] = []
-        self._consecutive_restarts = 0  # respawns since the last successful call
-        self._deaths = 0  # over the worker's whole life, for the failure log
+        self._cuts = CutEpisodes(
+            len(self.env_indices),
+            lambda position: (
+                None if self._shm_handle is None else self._shm_handle.read_obs(position)
+            ),
+            lambda position: self.descriptions[position].observation_space,
+        )
         self._broken_error: EnvCrashedError | None = None
         self._is_closing = threading.Event()
         self.stats = WorkerStats(len(self.env_indices))
@@ -235,7 +195,7 @@ class WorkerSupervisor:
 
     def join_link(self) -> None:
         """Give the worker what its vector's link shares (respawning it if it dies meanwhile)."""
-        self._last_obs = [None] * len(self.env_indices)
+        self._cuts.forget_obs()
         if self._shm_handle is None:
             return
         deadline = None if self._init_timeout is None else time.monotonic() + self._init_timeout
@@ -276,17 +236,7 @@ class WorkerSupervisor:
             self._discard_pending()
         if self._recycler is not None:
             batch = self._recycler.before(batch)
-        lost: dict[int, str] = {}
-        sent, sent_items = batch, None
-        if self._lost:
-            for item, position in enumerate(batch.positions):
-                if batch.is_reset[item]:
-                    self._lost.pop(position, None)
-                elif position in self._lost:
-                    lost[item] = self._lost.pop(position)
-            if lost:
-                sent_items = [item for item in range(len(batch.positions)) if item not in lost]
-                sent = subset(batch, sent_items)
+        sent, sent_items, lost = self._cuts.split(batch)
         num_resets = int(np.count_nonzero(sent.is_reset))
         deadline = self._batch_deadline(len(sent.positions) - num_resets, num_resets)
         self._pending = _Pending(batch, sent, sent_items, lost, None, deadline, time.perf_counter())
@@ -302,7 +252,7 @@ class WorkerSupervisor:
         if (
             self._state is not EnvState.READY
             or self._pending is not None
-            or self._lost
+            or self._cuts.has_lost()
             or self._shm_handle is None
             or (self._recycler is not None and self._recycler.is_busy())
         ):
@@ -336,7 +286,7 @@ class WorkerSupervisor:
             planned = self._shm_handle.collect_planned(pending.deadline)
             if planned is PLANNED_OK:
                 self._pending = None
-                self._consecutive_restarts = 0
+                self._ledger.note_success()
                 self.stats.note_latency(time.perf_counter() - pending.sent_at)
                 return PLANNED_OK, {}
             pending.batch = pending.sent = pending.plan.batch(pending.plan_slice)
@@ -352,7 +302,7 @@ class WorkerSupervisor:
             collected = (
                 self.handle.collect_batch(pending.deadline)
                 if len(sent.positions)
-                else _empty_result(0)
+                else BatchResult.empty(0)
             )
         batch = pending.batch
         assert batch is not None
@@ -363,21 +313,21 @@ class WorkerSupervisor:
             result = collected
         else:
             result = self._blank_result(len(batch.positions))
-            _merge(result, collected, pending.sent_items)
+            result.merge(collected, pending.sent_items)
             for item, cause in pending.lost.items():
-                self._truncate(result, batch, item, cause)
+                self._cuts.truncate(result, batch, item, cause, self.stats.restarts)
         failed = [item for item, extra in result.extras.items() if extra.failure is not None]
         self._note(batch, result, time.perf_counter() - pending.sent_at, pending.lost, failed)
         if self._recycler is not None:
             self._recycler.after(batch, result)
         if not failed:
-            self._consecutive_restarts = 0
+            self._ledger.note_success()
             return result, {}
         if self._restart_on_error:
             self.handle.kill()
             cause = f"error: {result.extras[failed[0]].failure.type_name}"  # type: ignore[union-attr]
-            retried, retry_errors = self._recover_batch(subset(batch, failed), cause)
-            _merge(result, retried, failed)
+            retried, retry_errors = self._recover_batch(batch.subset(failed), cause)
+            result.merge(retried, failed)
             return result, retry_errors
         errors: dict[int, Exception] = {}
         for item in failed:
@@ -450,20 +400,14 @@ class WorkerSupervisor:
                 self._respawn(cause)
                 return self.request(position, command, payload)
             raise self.env_error(reply.failure, command.name.lower(), position)
-        self._consecutive_restarts = 0
+        self._ledger.note_success()
         if command is Command.SET_STATE:
-            self._lost.pop(position, None)  # restored: that env's episode goes on from here
+            self._cuts.restored(position)
         return reply.value
 
     def read_obs(self, position: int) -> Any:
         """The observation the caller last saw for the env at ``position``."""
-        obs = self._last_obs[position]
-        if obs is None:
-            obs = None if self._shm_handle is None else self._shm_handle.read_obs(position)
-        if obs is None:  # nothing seen yet: zeros of the observation's shape
-            space = self.descriptions[position].observation_space
-            obs = next(iter(iterate(batch_space(space, 1), create_empty_array(space, 1))))
-        return obs
+        return self._cuts.last_obs(position)
 
     def env_error(
         self,
@@ -474,20 +418,7 @@ class WorkerSupervisor:
     ) -> EnvError:
         """The ``EnvError`` for a failure in the worker, with its traceback chained."""
         env_index = self.env_indices[position if position is not None else 0]
-        remote = RemoteTraceback(failure.traceback)
-        cause: BaseException = failure.exception if failure.exception is not None else remote
-        if cause is not remote:
-            cause.__cause__ = remote
-        error_class = env_error_class(
-            type(failure.exception) if failure.exception is not None else None
-        )
-        error = error_class(
-            f"env {env_index}: worker (pid {self.handle.pid}) raised {failure.type_name} in "
-            f"{name}(): {failure.message}; see the worker traceback above. {advice}",
-            env_index=env_index,
-        )
-        error.__cause__ = cause
-        return error
+        return remote_error(failure, name, env_index, self.handle.pid, advice)
 
     # ----------------------------------------------------------------- internals
 
@@ -510,28 +441,13 @@ class WorkerSupervisor:
     ) -> None:
         """Count the batch, and keep the observations the caller saw (when not shared)."""
         self.stats.note_batch(batch, result, elapsed, failed)
-        if result.obs is not None:
-            for item, position in enumerate(batch.positions):
-                if item not in lost and item not in failed:
-                    self._last_obs[position] = result.obs[item]
+        self._cuts.note_obs(batch, result, lost, failed)
 
     def _blank_result(self, size: int) -> BatchResult:
-        result = _empty_result(size)
+        result = BatchResult.empty(size)
         if self._shm_handle is None or not self._shm_handle.is_linked:
             result.obs = [None] * size
         return result
-
-    def _truncate(self, result: BatchResult, batch: Batch, item: int, cause: str) -> None:
-        """Make ``item`` of ``result`` the flagged truncation a death gives a step."""
-        position = batch.positions[item]
-        restarts = self.stats.restarts
-        result.rewards[item] = 0.0
-        result.terminated[item] = False
-        result.truncated[item] = True
-        info = {"multienv": {"restarted": True, "cause": cause, "restarts": restarts}}
-        result.extras[item] = Outcome(info=info)
-        if result.obs is not None:
-            result.obs[item] = self.read_obs(position)
 
     def _recover_batch(self, batch: Batch, cause: str) -> tuple[BatchResult, dict[int, Exception]]:
         """After a death during a batch: respawn, truncate its steps, replay its resets."""
@@ -540,14 +456,13 @@ class WorkerSupervisor:
         result = self._blank_result(len(batch.positions))
         errors: dict[int, Exception] = {}
         resets = [item for item in range(len(batch.positions)) if batch.is_reset[item]]
-        for item, position in enumerate(batch.positions):
+        for item in range(len(batch.positions)):
             if not batch.is_reset[item]:
-                self._lost.pop(position, None)
-                self._truncate(result, batch, item, cause)
+                self._cuts.truncate(result, batch, item, cause, self.stats.restarts)
         self._note(batch, result, 0.0, {}, [])
         if resets:
-            replayed, replay_errors = self.run(subset(batch, resets))
-            _merge(result, replayed, resets)
+            replayed, replay_errors = self.run(batch.subset(resets))
+            result.merge(replayed, resets)
             errors = {resets[item]: error for item, error in replay_errors.items()}
         return result, errors
 
@@ -560,7 +475,7 @@ class WorkerSupervisor:
 
     def has_lost_episodes(self) -> bool:
         """Whether a death cut an episode that the caller has not been told of yet."""
-        return bool(self._lost)
+        return self._cuts.has_lost()
 
     def kill_for(self, cause: str) -> None:
         """Kill the worker now and respawn it: a death with this cause."""
@@ -582,8 +497,7 @@ class WorkerSupervisor:
 
     def _lose_all(self, cause: str) -> None:
         """Every env of the worker lost its episode; each is told on its next step."""
-        for position in range(len(self.env_indices)):
-            self._lost[position] = cause
+        self._cuts.lose_all(cause)
 
     def _discard_pending(self) -> None:
         pending = self._pending
@@ -644,65 +558,18 @@ class WorkerSupervisor:
         pid = self.handle.pid
         self.handle.kill()
         self.stats.note_failure(cause)
-        now = time.monotonic()
-        policy = self._restart_policy
-        delay = policy.next_delay(self._restart_times, now, self._consecutive_restarts)
-        if delay is None:
-            self._become_broken(pid, cause)
-        self._restart_times = [*policy.recent(self._restart_times, now), now]
-        self._consecutive_restarts += 1
-        self._deaths += 1
+        delay = self._ledger.record_death(pid, cause, self.handle.stderr_tail)
+        if isinstance(delay, EnvCrashedError):
+            self._broken_error = delay
+            self._set_state(EnvState.BROKEN)
+            raise delay
         self.stats.note_restart()
-        what = "timed out and was killed" if cause == "timeout" else f"died ({cause})"
-        failure_log.report(
-            env_index=self.env_indices[0],
-            failure_number=self._deaths,
-            cause=cause,
-            message=f"{self.envs_text()}: worker pid {pid} {what}; respawning "
-            f"({len(self._restart_times)}/{policy.max_restarts} in {policy.window_s:g} s)",
-            is_repeat_failure=self._consecutive_restarts > 1,
-        )
         if delay and self._is_closing.wait(delay):
             raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
 
-    def _become_broken(self, pid: int | None, cause: str) -> None:
-        tail = self.handle.stderr_tail()
-        policy = self._restart_policy
-        stderr_text = "\n".join(tail) if tail else "(nothing)"
-        if not tail and cause.startswith("exit code"):
-            stderr_text += _EARLY_EXIT_HINT
-        env_index = self.env_indices[0]
-        hosted = "" if len(self.env_indices) == 1 else f" hosting {self.envs_text()}"
-        error: EnvCrashedError
-        if policy.is_never:
-            error = EnvCrashedError(
-                f"env {env_index}: worker (pid {pid}){hosted} died ({cause}) and "
-                "RestartPolicy.never() is set; its last stderr lines follow. Fix the crash or "
-                f"allow restarts.\n{stderr_text}",
-                env_index=env_index,
-            )
-        else:
-            deaths = len(policy.recent(self._restart_times, time.monotonic())) + 1
-            error = EnvCrashLoopError(
-                f"env {env_index}: worker{hosted} died {deaths} times in {policy.window_s:g} s "
-                f"(RestartPolicy max_restarts={policy.max_restarts}, "
-                f"window_s={policy.window_s:g}); "
-                f"last cause {cause}; its last stderr lines follow. Fix the crash or loosen "
-                f"the policy.\n{stderr_text}",
-                env_index=env_index,
-                restarts=deaths,
-                cause=cause,
-                stderr_tail=tail,
-            )
-            logger.error("%s", error)
-        self._broken_error = error
-        self._set_state(EnvState.BROKEN)
-        raise error
-
     def envs_text(self) -> str:
         """``env 3`` or ``envs 3-5``: the worker's envs, for messages."""
-        first, last = self.env_indices[0], self.env_indices[-1]
-        return f"env {first}" if len(self.env_indices) == 1 else f"envs {first}-{last}"
+        return envs_text(self.env_indices)
 
     def _set_state(self, new: EnvState) -> None:
         if new not in TRANSITIONS[self._state]:
