@@ -36,7 +36,6 @@ class RemoteEnv(gym.Env[Any, Any]):
         """Register with the supervisor; the env is described once it is initialized."""
         self._supervisor = supervisor
         self.position = position
-        self.env_index = supervisor.env_indices[position]
         self._is_closed = False
         self._sent: str | None = None  # "step" or "reset": what send_*() sent, for recv_*()
 
@@ -44,6 +43,11 @@ class RemoteEnv(gym.Env[Any, Any]):
     def supervisor(self) -> WorkerSupervisor:
         """The supervisor of the worker hosting this env."""
         return self._supervisor
+
+    @property
+    def env_index(self) -> int:
+        """This env's index in its vector (the supervisor's numbering)."""
+        return self._supervisor.env_indices[self.position]
 
     @property
     def steps(self) -> int:

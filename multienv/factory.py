@@ -8,15 +8,17 @@ that part is the same for every backend and lives here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar
 
 import cloudpickle
+import gymnasium as gym
 
+from multienv import vector_checks
 from multienv.env_proxy import RemoteEnv
-from multienv.handles import Backend, WorkerHandle
+from multienv.handles import Backend, WorkerHandle, find_backend
 from multienv.supervisor import WorkerSupervisor
 
 logger = logging.getLogger(__name__)
@@ -128,3 +130,49 @@ def create_envs(
             supervisor.close(timeout=1.0)
         raise
     return envs
+
+
+def proxies_for(
+    items: list[Any],
+    backend: str,
+    envs_per_worker: int,
+    daemon: bool,
+    options: dict[str, Any],
+    own_options: Collection[str],
+) -> tuple[list[RemoteEnv], bool]:
+    """``MultiEnv``'s envs: the ready proxies it was given, or new ones built from factories.
+
+    Args:
+        items: Ready proxies, or env factories (not a mix).
+        backend: The name of the backend that builds proxies from factories.
+        envs_per_worker: How many envs each new worker hosts.
+        daemon: Start new workers as daemons (where the backend has the option).
+        options: The backend's options, for new proxies only.
+        own_options: MultiEnv's own keyword options, listed when an option is unknown.
+
+    Returns:
+        The proxies, and whether they were built here (then the caller closes them if it
+        fails).
+    """
+    if not items:
+        raise ValueError("MultiEnv needs at least one env or env factory, got none.")
+    is_proxy = [isinstance(item, gym.Env) for item in items]
+    if all(is_proxy):
+        if options or envs_per_worker != 1:
+            given = sorted([*options, *(["envs_per_worker"] if envs_per_worker != 1 else [])])
+            raise TypeError(
+                f"MultiEnv got ready envs and options {given!r}; options apply "
+                "only when MultiEnv builds the envs from factories."
+            )
+        vector_checks.check_ready(items)
+        return items, False
+    if any(is_proxy):
+        first = is_proxy.index(not is_proxy[0])
+        raise TypeError(
+            f"env {first}: MultiEnv takes either all ready envs or all env factories, not a mix."
+        )
+    chosen = find_backend(backend)
+    vector_checks.check_options("MultiEnv", options, chosen.options | set(own_options))
+    if not daemon and "daemon" in chosen.options:
+        options = {**options, "daemon": False}
+    return chosen.create_envs(items, envs_per_worker=envs_per_worker, **options), True

@@ -13,17 +13,21 @@ reach a vector's workers.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 
 from multienv.errors import WaitTimeoutError
 from multienv.handles import VectorLink
 from multienv.protocol import Batch, BatchResult, StepPlan
 from multienv.supervisor import WorkerSupervisor
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -84,6 +88,44 @@ Outcome = dict[int, Collected]  # by worker number
 MakeBatch = Callable[[WorkerGroup], Batch | StepPlan | None]
 
 
+def reset_batches(seeds: list[int | None], options: list[Any], mask: np.ndarray) -> MakeBatch:
+    """How to make each worker's batch of a reset of the envs in ``mask`` (by env index)."""
+    has_seeds = any(seed is not None for seed in seeds)
+    has_options = any(item is not None for item in options)
+
+    def make_batch(group: WorkerGroup) -> Batch | None:
+        chosen = [k for k, env_index in enumerate(group.env_ids) if mask[env_index]]
+        if not chosen:
+            return None
+        return Batch(
+            [group.positions[k] for k in chosen],
+            np.ones(len(chosen), dtype=np.bool_),
+            [None] * len(chosen),
+            False,
+            [seeds[group.env_ids[k]] for k in chosen] if has_seeds else None,
+            [options[group.env_ids[k]] for k in chosen] if has_options else None,
+        )
+
+    return make_batch
+
+
+def step_batches(actions: Any, resets: np.ndarray, is_same_step: bool) -> MakeBatch:
+    """How to make each worker's batch of a step of every env (arrays by env index)."""
+
+    def make_batch(group: WorkerGroup) -> Batch:
+        return Batch(
+            group.position_array,
+            resets[group.index],
+            actions[group.index]
+            if isinstance(actions, np.ndarray)
+            else [actions[i] for i in group.env_ids],
+            is_same_step,
+            is_whole=group.is_whole,
+        )
+
+    return make_batch
+
+
 def finish(group: WorkerGroup) -> Collected:
     """Collect one worker's batch: the result with its errors by env index, or one error."""
     try:
@@ -141,6 +183,14 @@ def collect_slices(futures: list[Future[Outcome]], timeout: float | None, name: 
     return outcome
 
 
+def raise_first(errors: dict[int, BaseException]) -> None:
+    """Raise the lowest env index's error, after logging the others."""
+    first, *others = sorted(errors)
+    for env_index in others:
+        logger.error("env %d: failed too: %s", env_index, errors[env_index])
+    raise errors[first]
+
+
 @dataclasses.dataclass
 class Failed:
     """A call on one env raised this (raised later, lowest env index first)."""
@@ -169,6 +219,54 @@ class FanOut:
         self.executor = ThreadPoolExecutor(
             max_workers=len(self.slices), thread_name_prefix="multienv"
         )
+
+    def link_workers(
+        self, spaces: tuple[gym.Space[Any], gym.Space[Any]], shared_memory: bool | None
+    ) -> VectorLink:
+        """Number the workers' envs as the vector does, and link them with their backend.
+
+        Args:
+            spaces: The single-env observation and action spaces.
+            shared_memory: The vector's ``shared_memory`` choice (see ``handles.OpenLink``).
+        """
+        env_indices = []
+        for group in self.groups:
+            indices = [-1] * group.supervisor.num_envs
+            for env_index, position in zip(group.env_ids, group.positions, strict=True):
+                indices[position] = env_index
+                group.supervisor.env_indices[position] = env_index
+            env_indices.append(indices)
+        link = self.groups[0].supervisor.backend.open_link(
+            [group.supervisor.handle for group in self.groups],
+            spaces,
+            env_indices,
+            self.slices,
+            shared_memory,
+        )
+        try:
+            for group in self.groups:
+                group.supervisor.join_link()
+        except BaseException:
+            link.close()
+            raise
+        self.link = link
+        return link
+
+    def close_workers(self, close_env: Callable[[int], None]) -> None:
+        """Close every worker's envs, workers in parallel (each close is time-bounded)."""
+
+        def close_group(group: WorkerGroup) -> None:
+            for env_index in group.env_ids:
+                close_env(env_index)
+
+        try:
+            with ThreadPoolExecutor(
+                max_workers=len(self.groups), thread_name_prefix="multienv-close"
+            ) as pool:
+                list(pool.map(close_group, self.groups))
+        except RuntimeError:  # the interpreter is shutting down and starts no threads
+            for group in self.groups:
+                close_group(group)
 
     def run(self, make_batch: MakeBatch, numbers: Iterable[int] | None = None) -> Outcome:
         """Send each worker its batch and collect it, by slices; the first runs inline."""

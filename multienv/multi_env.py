@@ -11,10 +11,9 @@ in the backend.
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -33,19 +32,22 @@ from multienv.errors import (
     EnvStateError,
     NoPendingCallError,
     PendingCallError,
-    WaitTimeoutError,
 )
+from multienv.factory import proxies_for
 from multienv.fan_out import (
     FanOut,
     MakeBatch,
     Outcome,
     WorkerGroup,
     collect_slices,
-    finish,
     group_by_worker,
+    raise_first,
+    reset_batches,
+    step_batches,
 )
-from multienv.handles import SharedMemoryLink, find_backend, keyword_options
-from multienv.protocol import Batch, EnvSnapshot, StepPlan
+from multienv.handles import SharedMemoryLink, keyword_options
+from multienv.protocol import EnvSnapshot, StepPlan
+from multienv.send_recv import InFlight
 
 logger = logging.getLogger(__name__)
 
@@ -119,60 +121,25 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         **options: Any,
     ) -> None:
         """Build or adopt the envs, check that their spaces match, and batch the spaces."""
-        if worker is not None:
-            raise ValueError(
-                "MultiEnv(worker=...): multienv's workers are not a function to replace (each "
-                "runs an EnvRunner under a supervisor that respawns it); wrap the env instead."
-            )
-        if not isinstance(observation_mode, tuple) and observation_mode not in (
-            "same",
-            "different",
-        ):
-            raise ValueError(
-                "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single "
-                f"and batch observation space, actual got {observation_mode}"
-            )
+        vector_checks.check_constructor(worker, observation_mode, max_concurrency)
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.copy = copy
         self.shared_memory = shared_memory
         self.daemon = daemon
         self.observation_mode = observation_mode
-        if max_concurrency is not None and max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency!r}.")
         self.max_concurrency = max_concurrency
-        items = list(envs)
-        if not items:
-            raise ValueError("MultiEnv needs at least one env or env factory, got none.")
-        is_proxy = [isinstance(item, gym.Env) for item in items]
-        if all(is_proxy):
-            if options or envs_per_worker != 1:
-                given = sorted([*options, *(["envs_per_worker"] if envs_per_worker != 1 else [])])
-                raise TypeError(
-                    f"MultiEnv got ready envs and options {given!r}; options apply "
-                    "only when MultiEnv builds the envs from factories."
-                )
-            proxies: list[Any] = items
-            vector_checks.check_ready(proxies)
-        elif not any(is_proxy):
-            chosen = find_backend(backend)
-            vector_checks.check_options(
-                "MultiEnv",
-                options,
-                chosen.options | (keyword_options(MultiEnv.__init__) - {"self", "envs", "options"}),
-            )
-            if not daemon and backend == "subprocess":
-                options["daemon"] = False
-            proxies = chosen.create_envs(items, envs_per_worker=envs_per_worker, **options)
-        else:
-            first = is_proxy.index(not is_proxy[0])
-            raise TypeError(
-                f"env {first}: MultiEnv takes either all ready envs or all env factories, "
-                "not a mix."
-            )
+        proxies, is_built = proxies_for(
+            list(envs),
+            backend,
+            envs_per_worker,
+            daemon,
+            options,
+            keyword_options(MultiEnv.__init__) - {"self", "envs", "options"},
+        )
         try:
             self._adopt(proxies, num_threads)
         except BaseException:
-            if not any(is_proxy):
+            if is_built:
                 for proxy in proxies:
                     proxy.close()
             raise
@@ -200,35 +167,11 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             if any(space != spaces[0] for space in spaces):
                 shared_memory = False  # one slot layout cannot hold them all
 
-        supervisors = [proxy.supervisor for proxy in proxies]
         groups = self._groups = _groups(proxies)
-        self._worker_of = [0] * self.num_envs
-        for number, group in enumerate(groups):
-            for env_index in group.env_ids:
-                self._worker_of[env_index] = number
         self._fan_out = FanOut(groups, num_threads or 1)
-        env_indices = []
-        for group in groups:
-            indices = [-1] * group.supervisor.num_envs
-            for env_index, position in zip(group.env_ids, group.positions, strict=True):
-                indices[position] = env_index
-                group.supervisor.env_indices[position] = env_index
-                proxies[env_index].env_index = env_index
-            env_indices.append(indices)
-        self._link = supervisors[0].backend.open_link(
-            [group.supervisor.handle for group in groups],
-            (self.single_observation_space, self.single_action_space),
-            env_indices,
-            self._fan_out.slices,
-            shared_memory,
+        self._link = self._fan_out.link_workers(
+            (self.single_observation_space, self.single_action_space), shared_memory
         )
-        try:
-            for group in groups:
-                group.supervisor.join_link()
-        except BaseException:
-            self._link.close()
-            raise
-        self._fan_out.link = self._link
         self._autoreset = Autoreset(self.autoreset_mode, self.num_envs)
         self._assembly = Assembly(
             self.single_observation_space,
@@ -241,8 +184,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self._pending: list[Future[Outcome]] | None = None  # step_async()
         self._pending_reset: tuple[list[Future[Outcome]], np.ndarray] | None = None
         self._plan: StepPlan | None = None  # the planned step in flight, if it is one
-        self._flying: dict[int, list[int]] = {}  # workers sent a batch by send(): its envs
-        self._received: dict[int, tuple[Any, ...]] = {}  # envs collected, not yet returned
+        self._in_flight = InFlight(self._fan_out, self._assembly, self._autoreset)
         # Planned steps (one vector op for all envs) need each worker's envs as one slice,
         # in position order, and a link that plans; the workers' counters then become views.
         self._plan_link = self._link if isinstance(self._link, SharedMemoryLink) else None
@@ -314,29 +256,13 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         seeds = vector_checks.seeds(seed, self.num_envs)
         per_env, given_mask = vector_checks.options_per_env(options, self.num_envs)
         mask = vector_checks.reset_mask(given_mask, self.num_envs)
-        has_seeds = any(s is not None for s in seeds)
-        has_options = any(item is not None for item in per_env)
-
-        def make_batch(worker: WorkerGroup) -> Batch | None:
-            chosen = [k for k, env_index in enumerate(worker.env_ids) if mask[env_index]]
-            if not chosen:
-                return None
-            return Batch(
-                [worker.positions[k] for k in chosen],
-                np.ones(len(chosen), dtype=np.bool_),
-                [None] * len(chosen),
-                False,
-                [seeds[worker.env_ids[k]] for k in chosen] if has_seeds else None,
-                [per_env[worker.env_ids[k]] for k in chosen] if has_options else None,
-            )
-
-        return make_batch, mask
+        return reset_batches(seeds, per_env, mask), mask
 
     def _finish_reset(self, outcome: Outcome, mask: np.ndarray) -> tuple[Any, dict[str, Any]]:
         """The reset's batched observations and infos; raises the lowest env's error, if any."""
         observations, infos, errors = self._assembly.reset_batch(outcome, self._groups, mask)
         if errors:
-            self._raise_first(errors)
+            raise_first(errors)
         return observations, infos
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
@@ -402,33 +328,10 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             raise ClosedEnvironmentError("MultiEnv.send() called after close().")
         if self._pending is not None:
             raise EnvStateError("MultiEnv.send() called while a step_async() is pending.")
-        in_flight = {i for ids_ in self._flying.values() for i in ids_} | set(self._received)
-        ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, in_flight)
+        ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, self._in_flight.env_ids())
         batch_actions = self._split_actions(actions, ids)
         self._autoreset.check_can_step(ids)
-        by_worker: dict[int, list[int]] = {}
-        for position, env_index in enumerate(ids):
-            by_worker.setdefault(self._worker_of[env_index], []).append(position)
-        for number, where in by_worker.items():
-            if number in self._flying:
-                env_index = ids[where[0]]
-                raise EnvStateError(
-                    f"env {env_index}: its worker is stepping envs {self._flying[number]}; "
-                    "recv() them before sending it.",
-                    env_index=env_index,
-                )
-        for number, where in sorted(by_worker.items()):
-            worker = self._groups[number]
-            env_list = [ids[p] for p in where]
-            positions = [worker.position_of[env_index] for env_index in env_list]
-            batch = Batch(
-                positions,
-                self._autoreset.resets(env_list),
-                _take(batch_actions, where),
-                self._autoreset.is_same_step,
-            )
-            worker.supervisor.submit(batch)
-            self._flying[number] = env_list
+        self._in_flight.send(ids, batch_actions)
 
     def recv(
         self, batch_size: int | None = None, timeout: float | None = None
@@ -446,35 +349,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         """
         if self.closed:
             raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
-        in_flight = len(self._received) + sum(len(ids) for ids in self._flying.values())
-        if not in_flight:
-            raise EnvStateError("MultiEnv.recv() called with no env in flight; call send() first.")
-        size = in_flight if batch_size is None else batch_size
-        if not 1 <= size <= in_flight:
-            raise ValueError(
-                f"recv(batch_size={batch_size!r}) with {in_flight} envs in flight; pass a "
-                f"batch_size from 1 to {in_flight}, or None for all."
-            )
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while len(self._received) < size:
-            flying = sorted(self._flying)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = self._fan_out.wait_any(flying, left)
-            if not ready:
-                raise WaitTimeoutError(
-                    f"recv() timed out after {timeout} s with {len(self._received)} of the "
-                    f"{size} envs ready; every step is still in flight, call recv() again."
-                )
-            collected = {}
-            for k in ready:
-                number = flying[k]
-                collected[number] = finish(self._groups[number])
-            errors = self._assembly.receive(collected, self._flying, self._received)
-            if errors:
-                self._raise_first(errors)
-        ids = sorted(list(self._received)[:size])
-        rows = [self._received.pop(env_index) for env_index in ids]
-        return self._assembly.partial_batch(ids, rows)
+        return self._in_flight.recv(batch_size, timeout)
 
     def render(self) -> tuple[Any, ...]:
         """Return every env's ``render()`` result."""
@@ -588,23 +463,10 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
         The latency is the round trip of the step's batch to the env's worker.
         """
-        rows = []
-        for proxy in self.envs:
-            latencies = np.asarray(proxy.step_latencies_s, dtype=np.float64)
-            p50, p99 = np.percentile(latencies, [50, 99]) if latencies.size else (np.nan, np.nan)
-            rows.append(
-                {
-                    "env_index": proxy.env_index,
-                    "steps": proxy.steps,
-                    "episodes": proxy.episodes,
-                    "restarts": proxy.restarts,
-                    "recycles": proxy.recycles,
-                    "last_failure": proxy.last_failure,
-                    "step_latency_p50_s": float(p50),
-                    "step_latency_p99_s": float(p99),
-                }
-            )
-        return rows
+        return [
+            {"env_index": env_index, **proxy.supervisor.stats.row(proxy.position)}
+            for env_index, proxy in enumerate(self.envs)
+        ]
 
     def close_extras(self, timeout: float | None = None, **kwargs: Any) -> None:
         """Close every worker in parallel, each bounded by ``timeout`` seconds.
@@ -622,18 +484,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     stacklevel=3,
                 )
 
-        def close_worker(worker: WorkerGroup) -> None:
-            for env_index in worker.env_ids:
-                self.envs[env_index].close(timeout=timeout)
-
-        try:
-            with ThreadPoolExecutor(
-                max_workers=len(self._groups), thread_name_prefix="multienv-close"
-            ) as pool:
-                list(pool.map(close_worker, self._groups))
-        except RuntimeError:  # the interpreter is shutting down and starts no threads
-            for worker in self._groups:
-                close_worker(worker)
+        self._fan_out.close_workers(lambda env_index: self.envs[env_index].close(timeout=timeout))
         self._link.close()
         if self._pending is not None:
             wait_futures(self._pending, timeout=5.0)  # the workers are gone, so they end now
@@ -668,18 +519,12 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     f"(call {state}_wait() first).",
                     state,
                 )
-        if self._flying or self._received:
-            flying = sorted([*self._received, *(i for ids in self._flying.values() for i in ids)])
+        flying = self._in_flight.env_ids()
+        if flying:
             raise EnvStateError(
                 f"MultiEnv.{name}() called while envs {flying} are in flight "
                 "after send(); call recv() until none is left."
             )
-
-    def _raise_first(self, errors: dict[int, BaseException]) -> None:
-        first, *others = sorted(errors)
-        for env_index in others:
-            logger.error("env %d: failed too: %s", env_index, errors[env_index])
-        raise errors[first]
 
     def _is_limited(self) -> bool:
         return self.max_concurrency is not None and self.max_concurrency < self.num_envs
@@ -700,18 +545,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                 self._plan = plan
                 return lambda worker: plan
 
-        def make_batch(worker: WorkerGroup) -> Batch:
-            return Batch(
-                worker.position_array,
-                resets[worker.index],
-                batch_actions[worker.index]
-                if isinstance(batch_actions, np.ndarray)
-                else _take(batch_actions, worker.env_ids),
-                is_same_step,
-                is_whole=worker.is_whole,
-            )
-
-        return make_batch
+        return step_batches(batch_actions, resets, is_same_step)
 
     def _split_actions(self, actions: Any, env_ids: list[int] | None) -> Any:
         """The actions as one array (array spaces) or list, checked; errors name the env."""
@@ -728,7 +562,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
             for error in errors.values():  # the other envs did step: their results go along
                 if isinstance(error, EnvError):
                     error.results, error.failed_env_ids = batch, sorted(errors)
-            self._raise_first(errors)
+            raise_first(errors)
         return batch
 
     def _reset_after_crash(self, env_index: int) -> tuple[Any, Any, dict[str, Any]]:
@@ -742,7 +576,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self._check_idle("call")
         results, errors = self._fan_out.map(call, self.num_envs)
         if errors:
-            self._raise_first(errors)
+            raise_first(errors)
         return tuple(results)
 
 
@@ -751,9 +585,3 @@ def _groups(proxies: Sequence[RemoteEnv]) -> list[WorkerGroup]:
     return group_by_worker(
         [proxy.supervisor for proxy in proxies], [proxy.position for proxy in proxies]
     )
-
-
-def _take(values: Any, index: Sequence[int]) -> Any:
-    if isinstance(values, np.ndarray):
-        return values[list(index)]
-    return [values[i] for i in index]

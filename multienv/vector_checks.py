@@ -36,6 +36,22 @@ def check_options(owner: str, options: Collection[str], valid: Collection[str]) 
         )
 
 
+def check_constructor(worker: Any, observation_mode: Any, max_concurrency: int | None) -> None:
+    """``MultiEnv``'s own arguments, as ``AsyncVectorEnv`` checks its ones."""
+    if worker is not None:
+        raise ValueError(
+            "MultiEnv(worker=...): multienv's workers are not a function to replace (each "
+            "runs an EnvRunner under a supervisor that respawns it); wrap the env instead."
+        )
+    if not isinstance(observation_mode, tuple) and observation_mode not in ("same", "different"):
+        raise ValueError(
+            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single "
+            f"and batch observation space, actual got {observation_mode}"
+        )
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency!r}.")
+
+
 def check_ready(proxies: Sequence[Any]) -> None:
     """Ready proxies, each once, of a multienv backend."""
     seen: set[int] = set()

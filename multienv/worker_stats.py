@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +67,20 @@ class WorkerStats:
             self.steps[positions[is_step]] += 1
             self.episodes[positions[is_step & done]] += 1
             self.step_latencies_s.append(elapsed_s)
+
+    def row(self, position: int) -> dict[str, Any]:
+        """What ``MultiEnv.stats()`` reports for the env at ``position``."""
+        latencies = np.asarray(self.step_latencies_s, dtype=np.float64)
+        p50, p99 = np.percentile(latencies, [50, 99]) if latencies.size else (np.nan, np.nan)
+        return {
+            "steps": int(self.steps[position]),
+            "episodes": int(self.episodes[position]),
+            "restarts": self.restarts,
+            "recycles": self.recycles,
+            "last_failure": self.last_failure,
+            "step_latency_p50_s": float(p50),
+            "step_latency_p99_s": float(p99),
+        }
 
     def note_latency(self, elapsed_s: float) -> None:
         """A planned step came back clean; its counts are the vector's (``VectorCounters``)."""

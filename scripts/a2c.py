@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import itertools
 import logging
@@ -36,7 +35,7 @@ import numpy as np
 from multienv import MultiEnv, RayOptions, RestartPolicy
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # recording.py beside us
-from recording import Recorder
+from recording import Recorder, make_out_dir, total_restarts
 
 
 def arg(default: Any, help_text: str) -> Any:
@@ -382,20 +381,75 @@ def anneal(args: Args, env_steps: int, optimizers: tuple[Adam, ...]) -> None:
             optimizer.lr = lr
 
 
+def make_vector(args: Args, num_envs: int, envs_per_worker: int) -> MultiEnv:
+    """``num_envs`` envs of ``args.env_id`` in subprocess workers (or Ray actors)."""
+    return MultiEnv(
+        [make_env(args.env_id)] * num_envs,
+        autoreset_mode="SameStep",
+        restart_policy=restart_policy(args),
+        envs_per_worker=envs_per_worker,
+        **backend_options(args),
+    )
+
+
+@dataclasses.dataclass
+class ActorCritic:
+    """The policy and value networks, and their optimizers."""
+
+    actor: MLP
+    critic: MLP
+    optimizers: tuple[Adam, Adam]
+
+    @classmethod
+    def create(cls, envs: MultiEnv, args: Args, rng: np.random.Generator) -> ActorCritic:
+        obs_dim = int(np.prod(envs.single_observation_space.shape))
+        num_actions = int(envs.single_action_space.n)
+        actor = MLP([obs_dim, args.hidden, args.hidden, num_actions], rng, out_scale=0.01)
+        critic = MLP([obs_dim, args.hidden, args.hidden, 1], rng, out_scale=1.0)
+        optimizers = (
+            Adam(actor.params, args.learning_rate, args.max_grad_norm),
+            Adam(critic.params, args.learning_rate, args.max_grad_norm),
+        )
+        return cls(actor, critic, optimizers)
+
+    def rollout(
+        self,
+        envs: MultiEnv,
+        obs: np.ndarray,
+        episode_returns: np.ndarray,
+        args: Args,
+        rng: np.random.Generator,
+        recorder: Recorder,
+        chaos: Chaos,
+    ) -> tuple[Rollout, np.ndarray]:
+        """Step ``envs`` n_steps times with the policy; the rollout and the next obs."""
+        return collect_rollout(
+            envs, self.actor, self.critic, obs, episode_returns, args.n_steps, rng, recorder, chaos
+        )
+
+    def gradients(
+        self, rollout: Rollout, args: Args
+    ) -> tuple[tuple[list[np.ndarray], list[np.ndarray]], dict[str, float]]:
+        """Both networks' gradients on a rollout, and the losses."""
+        actor_grads, critic_grads, losses = rollout_gradients(
+            self.actor, self.critic, rollout, args
+        )
+        return (actor_grads, critic_grads), losses
+
+    def apply(
+        self, grads: tuple[list[np.ndarray], list[np.ndarray]], args: Args, env_steps: int
+    ) -> None:
+        """One optimizer step of both networks, at the step size for ``env_steps``."""
+        anneal(args, env_steps, self.optimizers)
+        self.optimizers[0].step(grads[0])
+        self.optimizers[1].step(grads[1])
+
+
 def restart_policy(args: Args) -> RestartPolicy:
     # Chaos mode kills workers faster than any real crash would (at 4,000 steps/s, every 200
     # steps is 20 kills a second), so it lifts the budget that guards against crash loops.
     max_restarts = 100_000 if args.chaos_kill_every else args.max_restarts
     return RestartPolicy(max_restarts=max_restarts, window_s=60.0)
-
-
-def total_restarts(envs: MultiEnv) -> int:
-    return sum(row["restarts"] for row in envs.stats())
-
-
-def make_out_dir(args: Args, name: str) -> pathlib.Path:
-    stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{name}-seed{args.seed}"
-    return pathlib.Path(args.out_dir or f"runs/{stamp}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -406,22 +460,11 @@ def main(args: Args) -> int:
     recorder = Recorder(args, make_out_dir(args, "a2c"), "A2C")
 
     # Setup
-    envs = MultiEnv(
-        [make_env(args.env_id)] * args.num_envs,
-        autoreset_mode="SameStep",
-        restart_policy=restart_policy(args),
-        envs_per_worker=args.envs_per_worker,
-        **backend_options(args),
-    )
-    obs_dim = int(np.prod(envs.single_observation_space.shape))
-    num_actions = int(envs.single_action_space.n)
+    envs = make_vector(args, args.num_envs, args.envs_per_worker)
 
     # Seeding
     rng = np.random.default_rng(args.seed)
-    actor = MLP([obs_dim, args.hidden, args.hidden, num_actions], rng, out_scale=0.01)
-    critic = MLP([obs_dim, args.hidden, args.hidden, 1], rng, out_scale=1.0)
-    actor_opt = Adam(actor.params, args.learning_rate, args.max_grad_norm)
-    critic_opt = Adam(critic.params, args.learning_rate, args.max_grad_norm)
+    model = ActorCritic.create(envs, args, rng)
     chaos = Chaos(args.chaos_kill_every, envs.envs, args.seed + 1, recorder)
     obs, _ = envs.reset(seed=args.seed)
     episode_returns = np.zeros(args.num_envs)
@@ -430,15 +473,11 @@ def main(args: Args) -> int:
     try:
         while not recorder.is_done:
             # Rollout
-            rollout, obs = collect_rollout(
-                envs, actor, critic, obs, episode_returns, args.n_steps, rng, recorder, chaos
-            )
+            rollout, obs = model.rollout(envs, obs, episode_returns, args, rng, recorder, chaos)
             # Update
-            anneal(args, recorder.env_steps, (actor_opt, critic_opt))
             for part in split_by_envs(rollout, args.updates_per_rollout):
-                actor_grads, critic_grads, losses = rollout_gradients(actor, critic, part, args)
-                actor_opt.step(actor_grads)
-                critic_opt.step(critic_grads)
+                grads, losses = model.gradients(part, args)
+                model.apply(grads, args, recorder.env_steps)
             # Logging
             recorder.progress(total_restarts(envs))
         restarts = total_restarts(envs)

@@ -27,24 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # import a2c.py beside us
 
-from a2c import (
-    MLP,
-    Adam,
-    Args,
-    Chaos,
-    anneal,
-    arg,
-    backend_options,
-    collect_rollout,
-    make_env,
-    make_out_dir,
-    parse_args,
-    restart_policy,
-    rollout_gradients,
-    split_by_envs,
-    total_restarts,
-)
-from recording import Recorder
+from a2c import ActorCritic, Args, Chaos, arg, make_vector, parse_args, split_by_envs
+from recording import Recorder, make_out_dir, total_restarts
 
 from multienv import MultiEnv
 
@@ -61,9 +45,7 @@ class A3CArgs(Args):
 def learner(
     learner_index: int,
     envs: MultiEnv,
-    actor: MLP,
-    critic: MLP,
-    optimizers: tuple[Adam, Adam],
+    model: ActorCritic,
     update_lock: threading.Lock,
     args: A3CArgs,
     recorder: Recorder,
@@ -75,15 +57,11 @@ def learner(
     obs, _ = envs.reset(seed=args.seed + 100 * learner_index)
     episode_returns = np.zeros(envs.num_envs)
     while not recorder.is_done:
-        rollout, obs = collect_rollout(
-            envs, actor, critic, obs, episode_returns, args.n_steps, rng, recorder, chaos
-        )
+        rollout, obs = model.rollout(envs, obs, episode_returns, args, rng, recorder, chaos)
         for part in split_by_envs(rollout, args.updates_per_rollout):
-            actor_grads, critic_grads, step_losses = rollout_gradients(actor, critic, part, args)
+            grads, step_losses = model.gradients(part, args)
             with update_lock:
-                anneal(args, recorder.env_steps, optimizers)
-                optimizers[0].step(actor_grads)
-                optimizers[1].step(critic_grads)
+                model.apply(grads, args, recorder.env_steps)
                 losses.update(step_losses)
 
 
@@ -93,28 +71,12 @@ def main(args: A3CArgs) -> int:
     recorder = Recorder(args, make_out_dir(args, "a3c"), "A3C")
 
     # Setup
-    groups = [
-        MultiEnv(
-            [make_env(args.env_id)] * args.envs_per_learner,
-            autoreset_mode="SameStep",
-            restart_policy=restart_policy(args),
-            envs_per_worker=min(args.envs_per_worker, args.envs_per_learner),
-            **backend_options(args),
-        )
-        for _ in range(args.learners)
-    ]
-    first = groups[0]
-    obs_dim = int(np.prod(first.single_observation_space.shape))
-    num_actions = int(first.single_action_space.n)
+    per_worker = min(args.envs_per_worker, args.envs_per_learner)
+    groups = [make_vector(args, args.envs_per_learner, per_worker) for _ in range(args.learners)]
 
     # Seeding
     rng = np.random.default_rng(args.seed)
-    actor = MLP([obs_dim, args.hidden, args.hidden, num_actions], rng, out_scale=0.01)
-    critic = MLP([obs_dim, args.hidden, args.hidden, 1], rng, out_scale=1.0)
-    optimizers = (
-        Adam(actor.params, args.learning_rate, args.max_grad_norm),
-        Adam(critic.params, args.learning_rate, args.max_grad_norm),
-    )
+    model = ActorCritic.create(groups[0], args, rng)
     chaos = Chaos(
         args.chaos_kill_every, [p for g in groups for p in g.envs], args.seed + 1, recorder
     )
@@ -126,18 +88,7 @@ def main(args: A3CArgs) -> int:
 
     def run(index: int) -> None:
         try:
-            learner(
-                index,
-                groups[index],
-                actor,
-                critic,
-                optimizers,
-                update_lock,
-                args,
-                recorder,
-                chaos,
-                losses,
-            )
+            learner(index, groups[index], model, update_lock, args, recorder, chaos, losses)
         except BaseException as exc:
             errors.append(exc)
             recorder.stop()  # the other learners end after their current rollout

@@ -8,6 +8,7 @@ returns and the learning curve (with matplotlib, when it is installed) to the ru
 from __future__ import annotations
 
 import csv
+import datetime
 import pathlib
 import sys
 import threading
@@ -184,3 +185,13 @@ class Recorder:
 
 
 # ----------------------------------------------------------------------------- rollout
+
+
+def total_restarts(envs: Any) -> int:
+    """Restarts of all envs of a MultiEnv."""
+    return sum(row["restarts"] for row in envs.stats())
+
+
+def make_out_dir(args: Any, name: str) -> pathlib.Path:
+    stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{name}-seed{args.seed}"
+    return pathlib.Path(args.out_dir or f"runs/{stamp}")

@@ -1,0 +1,98 @@
+"""VECTOR API: EnvPool-style ``send``/``recv``: which envs are in flight, and collecting them.
+
+``send`` steps some envs and returns at once; ``recv`` returns the first envs to finish.
+The envs of one worker travel together, so a worker is either idle or stepping one batch.
+``InFlight`` keeps, per worker, the envs it is stepping and, per env, the results collected
+but not yet returned.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from multienv.assembly import Assembly, StepBatch
+from multienv.autoreset import Autoreset
+from multienv.errors import EnvStateError, WaitTimeoutError
+from multienv.fan_out import FanOut, finish, raise_first
+from multienv.protocol import Batch
+
+
+class InFlight:
+    """The envs a vector's ``send()`` stepped and ``recv()`` has not returned yet.
+
+    Args:
+        fan_out: The vector's workers and their multi-wait.
+        assembly: Files collected results and assembles the returned batch.
+        autoreset: The vector's autoreset state.
+    """
+
+    def __init__(self, fan_out: FanOut, assembly: Assembly, autoreset: Autoreset) -> None:
+        """Nothing in flight."""
+        self._fan_out = fan_out
+        self._assembly = assembly
+        self._autoreset = autoreset
+        self._worker_of = {e: n for n, group in enumerate(fan_out.groups) for e in group.env_ids}
+        self._flying: dict[int, list[int]] = {}  # by worker number: the envs it steps
+        self._received: dict[int, tuple[Any, ...]] = {}  # by env: collected, not returned
+
+    def env_ids(self) -> list[int]:
+        """Every env in flight or collected and not yet returned, ascending."""
+        return sorted([*self._received, *(i for ids in self._flying.values() for i in ids)])
+
+    def send(self, ids: list[int], actions: Any) -> None:
+        """Submit each worker's share of ``ids`` (checked, none in flight) as one batch."""
+        by_worker: dict[int, list[int]] = {}
+        for item, env_index in enumerate(ids):
+            by_worker.setdefault(self._worker_of[env_index], []).append(item)
+        for number, items in by_worker.items():
+            if number in self._flying:
+                env_index = ids[items[0]]
+                raise EnvStateError(
+                    f"env {env_index}: its worker is stepping envs {self._flying[number]}; "
+                    "recv() them before sending it.",
+                    env_index=env_index,
+                )
+        for number, items in sorted(by_worker.items()):
+            group = self._fan_out.groups[number]
+            env_list = [ids[item] for item in items]
+            batch = Batch(
+                [group.position_of[env_index] for env_index in env_list],
+                self._autoreset.resets(env_list),
+                actions[items] if isinstance(actions, np.ndarray) else [actions[i] for i in items],
+                self._autoreset.is_same_step,
+            )
+            group.supervisor.submit(batch)
+            self._flying[number] = env_list
+
+    def recv(self, batch_size: int | None, timeout: float | None) -> StepBatch:
+        """The first ``batch_size`` envs to finish (all in flight when None), ascending."""
+        in_flight = len(self._received) + sum(len(ids) for ids in self._flying.values())
+        if not in_flight:
+            raise EnvStateError("MultiEnv.recv() called with no env in flight; call send() first.")
+        size = in_flight if batch_size is None else batch_size
+        if not 1 <= size <= in_flight:
+            raise ValueError(
+                f"recv(batch_size={batch_size!r}) with {in_flight} envs in flight; pass a "
+                f"batch_size from 1 to {in_flight}, or None for all."
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self._received) < size:
+            flying = sorted(self._flying)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = self._fan_out.wait_any(flying, left)
+            if not ready:
+                raise WaitTimeoutError(
+                    f"recv() timed out after {timeout} s with {len(self._received)} of the "
+                    f"{size} envs ready; every step is still in flight, call recv() again."
+                )
+            groups = self._fan_out.groups
+            collected = {flying[k]: finish(groups[flying[k]]) for k in ready}
+            errors = self._assembly.receive(collected, self._flying, self._received)
+            if errors:
+                raise_first(errors)
+        ids = sorted(list(self._received)[:size])
+        rows = [self._received.pop(env_index) for env_index in ids]
+        return self._assembly.partial_batch(ids, rows)
