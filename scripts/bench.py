@@ -58,7 +58,7 @@ class Args:
     child: str = ""  # internal: run one fresh-process measurement and print it as JSON
     plot: str = ""  # draw the throughput of json_out as a PNG at this path, and exit
     baseline: str = ""  # a checkout of multienv: its multienv rows are measured too, interleaved
-    only_multienv: bool = False  # measure only the multienv rows (and the loop, for ratios)
+    only_multienv: bool = False  # only multienv at k=1 and k=N/2, the loop and AsyncVectorEnv
 
 
 # ----------------------------------------------------------------- workloads
@@ -313,8 +313,10 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
     """Every implementation, each sample in a fresh process, interleaved over rounds."""
     _, single_rate = WORKLOADS[workload]
     names = implementations(n)
-    if args.only_multienv:
-        names = [name for name in names if name.startswith(("multienv", "sequential", "gym"))]
+    if args.only_multienv:  # the references, and multienv at k=1 and k=N/2
+        kept = {"sequential loop", "gymnasium AsyncVectorEnv", "multienv k=1"}
+        kept.add(f"multienv k={max(1, n // 2)}")
+        names = [name for name in names if name in kept]
     if args.baseline:
         names += [f"{name} @baseline" for name in names if name.startswith("multienv")]
     # Size a run so the sequential loop takes about args.seconds; parallel ones take less.
