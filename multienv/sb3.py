@@ -15,12 +15,13 @@ than treat it as a real termination; ``infos[i]["multienv"]`` carries the cause.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import concatenate, create_empty_array
 from stable_baselines3.common.vec_env.base_vec_env import (
     VecEnv,
     VecEnvIndices,
@@ -88,8 +89,13 @@ class MultiEnvVecEnv(VecEnv):
         return obs  # type: ignore[no-any-return]
 
     def step_async(self, actions: np.ndarray) -> None:
-        """Start stepping every env."""
-        self.vec.step_async(actions)
+        """Start stepping every env.
+
+        ``actions`` takes every form ``SubprocVecEnv`` takes: a batch in the action space's
+        own layout (an array; for Dict and Tuple spaces, a dict or tuple of batches), or a
+        list with one action per env.
+        """
+        self.vec.step_async(_batched(actions, self.action_space, self.num_envs))
         self.waiting = True
 
     def step_wait(self) -> VecEnvStepReturn:
@@ -164,6 +170,35 @@ class MultiEnvVecEnv(VecEnv):
     def envs(self) -> list[Any]:
         """The env proxies, in env-index order (``envs[i].pid`` is env i's worker)."""
         return self.vec.envs
+
+
+def _batched(actions: Any, space: gym.Space[Any], num_envs: int) -> Any:
+    """Dict or Tuple actions given one per env (a list, as SB3 passes them), as one batch."""
+    if isinstance(space, gym.spaces.Dict):
+        is_per_env = not isinstance(actions, Mapping)
+    elif isinstance(space, gym.spaces.Tuple):
+        is_per_env = isinstance(actions, list) or (
+            isinstance(actions, np.ndarray) and actions.dtype == object
+        )
+    else:
+        return actions
+    if not is_per_env:
+        return actions
+    items = list(actions)
+    if len(items) != num_envs:
+        raise ValueError(f"expected {num_envs} actions (one per env), got {len(items)}.")
+    for env_index, action in enumerate(items):  # the layout only: values pass as given
+        if isinstance(space, gym.spaces.Dict):
+            fits = isinstance(action, Mapping) and set(action) == set(space.spaces)
+        else:
+            fits = isinstance(action, Sequence) and len(action) == len(space.spaces)
+        if not fits:
+            raise ValueError(
+                f"env {env_index}: action {action!r} does not have the layout of {space!r}."
+            )
+    out = create_empty_array(space, n=num_envs)
+    assert out is not None  # None only for spaces of no fixed layout, not Dict or Tuple
+    return concatenate(space, items, out)
 
 
 def _unbatch(infos: dict[str, Any], i: int) -> dict[str, Any]:

@@ -495,6 +495,20 @@ class DictActionEnv(CountingEnv):
         return obs, float(action["a"]) + float(action["b"][0]), terminated, truncated, info
 
 
+class TupleActionEnv(CountingEnv):
+    """Tuple actions: (Discrete(3), Box(-1, 1, (2,))); the reward is a + b[0]."""
+
+    def __init__(self) -> None:
+        super().__init__(episode_length=7)
+        self.action_space = gym.spaces.Tuple(
+            (gym.spaces.Discrete(3), gym.spaces.Box(-1, 1, shape=(2,), dtype=np.float32))
+        )
+
+    def step(self, action):
+        obs, _, terminated, truncated, info = super().step(1)
+        return obs, float(action[0]) + float(action[1][0]), terminated, truncated, info
+
+
 class LeakyEnv(CountingEnv):
     """Keeps ``mb_per_step`` MiB more (touched, so resident) on every step, like a leaking sim."""
 

@@ -19,7 +19,7 @@ from stable_baselines3.common.vec_env import (  # noqa: E402
 )
 
 from multienv.sb3 import MultiEnvVecEnv  # noqa: E402
-from tests.envs import CountingEnv, OptionsEcho  # noqa: E402
+from tests.envs import CountingEnv, DictActionEnv, OptionsEcho, TupleActionEnv  # noqa: E402
 
 N = 4
 
@@ -66,6 +66,39 @@ def test_reset_and_steps_match_subproc_vec_env_on_the_same_seeds():
         assert ended > 2
     finally:
         close(ours, theirs)
+
+
+@pytest.mark.parametrize("env_class", [DictActionEnv, TupleActionEnv])
+def test_dict_and_tuple_actions_one_per_env_or_batched_give_subproc_vec_envs_results(env_class):
+    ours, theirs = both([env_class] * 2)
+    try:
+        ours.reset(), theirs.reset()
+        space = ours.action_space
+        space.seed(0)
+        for t in range(10):
+            per_env = [space.sample() for _ in range(2)]
+            got, want = ours.step(per_env), theirs.step(per_env)
+            for part_got, part_want in zip(got[:3], want[:3], strict=True):
+                np.testing.assert_array_equal(part_got, part_want, err_msg=f"step {t}")
+        batched = gym.vector.utils.concatenate(
+            space, per_env, gym.vector.utils.create_empty_array(space, n=2)
+        )
+        np.testing.assert_array_equal(ours.step(batched)[1], theirs.step(per_env)[1])
+    finally:
+        close(ours, theirs)
+
+
+def test_a_per_env_action_of_the_wrong_layout_names_the_env():
+    envs = MultiEnvVecEnv([DictActionEnv] * 2)
+    try:
+        envs.reset()
+        good = envs.action_space.sample()
+        with pytest.raises(ValueError, match=r"env 1: action .* does not have the layout"):
+            envs.step([good, {"a": 1}])
+        rewards = envs.step([good, good])[1]  # nothing was sent before
+        assert rewards.shape == (2,)
+    finally:
+        envs.close()
 
 
 def test_options_set_through_set_options_are_used_at_the_next_reset_only():
