@@ -149,25 +149,26 @@ class RemoteEnv(gym.Env[Any, Any]):
             obs = self._supervisor.read_obs(self.position)
         return obs, reward, terminated, truncated, info
 
-    def get_state(self) -> EnvSnapshot:
-        """A snapshot of the remote env: its own ``get_state()``, or the whole env pickled."""
-        snapshot: EnvSnapshot = self._request(Command.GET_STATE, None)
-        return snapshot
+    def get_state(self) -> Any:
+        """The env's state: what its own ``get_state()`` returns, else an ``EnvSnapshot``."""
+        return self._request(Command.GET_STATE, None)
 
-    def set_state(self, snapshot: EnvSnapshot) -> None:
-        """Restore a snapshot of ``get_state()`` (replayed on a fresh worker if it dies)."""
-        if not isinstance(snapshot, EnvSnapshot):
+    def set_state(self, state: Any) -> None:
+        """Restore a state of ``get_state()`` (replayed on a fresh worker if it dies)."""
+        description = self._supervisor.descriptions[self.position]
+        if isinstance(state, EnvSnapshot):
+            if state.env_type != description.env_type:
+                raise ValueError(
+                    f"env {self.env_index}: the state is of a {state.env_type} env; this env is "
+                    f"a {description.env_type}"
+                )
+        elif not description.has_own_state:
             raise TypeError(
-                f"env {self.env_index}: set_state() takes an EnvSnapshot from get_state(), "
-                f"got {type(snapshot).__name__}"
+                f"env {self.env_index}: set_state() takes a state from get_state(); "
+                f"{description.env_type} has no get_state()/set_state() of its own, so its "
+                f"states are EnvSnapshots, got {type(state).__name__}"
             )
-        env_type = self._supervisor.descriptions[self.position].env_type
-        if snapshot.env_type != env_type:
-            raise ValueError(
-                f"env {self.env_index}: the state is of a {snapshot.env_type} env; this env is "
-                f"a {env_type}"
-            )
-        self._request(Command.SET_STATE, snapshot)
+        self._request(Command.SET_STATE, state)
 
     def render(self) -> Any:
         """Return the remote env's ``render()`` result."""

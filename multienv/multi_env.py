@@ -46,7 +46,7 @@ from multienv.fan_out import (
     step_batches,
 )
 from multienv.handles import SharedMemoryLink, keyword_options
-from multienv.protocol import EnvSnapshot, StepPlan
+from multienv.protocol import StepPlan
 from multienv.send_recv import InFlight
 
 logger = logging.getLogger(__name__)
@@ -386,16 +386,18 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
     # ----------------------------------------------------------------- planning
 
-    def get_states(self) -> list[EnvSnapshot]:
-        """Each env's state: opaque, picklable ``EnvSnapshot``s for ``set_states``.
+    def get_states(self) -> list[Any]:
+        """Each env's state, picklable, for ``set_states`` and ``step_batch``.
 
-        An env with ``get_state()`` / ``set_state(state)`` methods (the planning convention)
-        is asked for its state; any other env is pickled whole, wrapper stack included (time
-        limit counters, RNG), so restoring it and stepping it again gives the same results.
+        An env with ``get_state()`` / ``set_state(state)`` methods (the planning convention,
+        as plangym passes states around) gives what its ``get_state()`` returns, as it is; any
+        other env gives an opaque ``EnvSnapshot``: the env pickled whole, wrapper stack
+        included (time limit counters, RNG), so restoring it and stepping it again gives the
+        same results.
         """
         return list(self._map(lambda i: self.envs[i].get_state()))
 
-    def set_states(self, states: Sequence[EnvSnapshot]) -> None:
+    def set_states(self, states: Sequence[Any]) -> None:
         """Restore one state per env; each goes on mid-episode from there.
 
         A worker that dies meanwhile is respawned and the state restored into the fresh env.
@@ -403,20 +405,22 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         ``step`` returns those of the restored envs.
 
         Raises:
-            TypeError, ValueError: ``states`` is not one state per env of the env's class;
-                raised before anything is sent.
+            TypeError, ValueError: ``states`` is not one state per env that the env can take
+                (an ``EnvSnapshot`` of its class, or any value for an env with
+                ``set_state``); raised before anything is sent. A value the env's own
+                ``set_state`` refuses raises ``EnvError`` naming the env.
         """
         checked = planning.check_set_states(self, states)
         self._map(lambda i: self.envs[i].set_state(checked[i]))
         self._autoreset.after_reset(np.arange(self.num_envs))
 
-    def sync_states(self, state: EnvSnapshot) -> None:
+    def sync_states(self, state: Any) -> None:
         """Restore the same state into every env (see ``set_states``)."""
         self.set_states([state] * self.num_envs)
 
     def step_batch(
-        self, actions: Any, states: Sequence[EnvSnapshot] | None = None, dt: Any = 1
-    ) -> tuple[list[EnvSnapshot], Any, np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        self, actions: Any, states: Sequence[Any] | None = None, dt: Any = 1
+    ) -> tuple[list[Any], Any, np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
         """Step M (state, action) pairs in parallel, M independent of N.
 
         Pair j restores ``states[j]`` into some env, repeats ``actions[j]`` up to ``dt[j]``
@@ -429,12 +433,14 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
         Args:
             actions: M actions (an array with a leading axis of M for array action spaces).
-            states: M states from ``get_states`` or an earlier ``step_batch``; None steps
-                the envs from their current states (then M must equal N).
+            states: M states from ``get_states`` or an earlier ``step_batch`` (for envs with
+                ``get_state``/``set_state``, any values they take); None steps the envs
+                from their current states (then M must equal N).
             dt: Steps per pair: an int, or M ints, each >= 1.
 
         Returns:
-            ``(new_states, obs, rewards, terminated, truncated, infos)``: a list of M states,
+            ``(new_states, obs, rewards, terminated, truncated, infos)``: a list of M states
+            (in the envs' own form, as ``get_states`` gives them),
             batched observations, float64 summed rewards and bool flags of the last step,
             each of length M, and a list of M info dicts (the last step's).
 

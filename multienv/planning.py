@@ -22,7 +22,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from multienv.protocol import Command, EnvSnapshot, PairResults, Pairs
+from multienv.protocol import Command, EnvDescription, EnvSnapshot, PairResults, Pairs
 
 if TYPE_CHECKING:
     from multienv.multi_env import MultiEnv
@@ -35,25 +35,33 @@ _ARRAY_SPACES = (
 )
 
 
-def env_types(vec: MultiEnv) -> list[str]:
-    """Each env's class, as its snapshots name it."""
-    return [proxy.supervisor.descriptions[proxy.position].env_type for proxy in vec.envs]
+def _descriptions(vec: MultiEnv) -> list[EnvDescription]:
+    return [proxy.supervisor.descriptions[proxy.position] for proxy in vec.envs]
 
 
-def check_states(vec: MultiEnv, states: Sequence[Any], what: str) -> list[EnvSnapshot]:
-    """``states`` as a list, each an ``EnvSnapshot`` of a class the vector's envs have."""
-    if isinstance(states, EnvSnapshot) or not isinstance(states, Sequence):
+def check_states(vec: MultiEnv, states: Sequence[Any], what: str) -> list[Any]:
+    """``states`` as a list, each a state some env of the vector can take.
+
+    An ``EnvSnapshot`` must be of a class the vector's envs have; any other value is a raw
+    state, for envs with ``get_state()``/``set_state()`` of their own: all of them, since a
+    pair may run on any env.
+    """
+    if isinstance(states, EnvSnapshot | np.ndarray) or not isinstance(states, Sequence):
         raise TypeError(
-            f"{what} takes a list of states from get_states(), got {type(states).__name__}."
+            f"{what} takes a list of states (one per pair or env), got {type(states).__name__}."
         )
-    known = set(env_types(vec))
+    descriptions = _descriptions(vec)
+    known = {description.env_type for description in descriptions}
+    without = [i for i, description in enumerate(descriptions) if not description.has_own_state]
     checked = list(states)
     for j, state in enumerate(checked):
         if not isinstance(state, EnvSnapshot):
-            raise TypeError(
-                f"{what}: state {j} is a {type(state).__name__}, not a state from get_states()."
-            )
-        if state.env_type not in known:
+            if without:
+                raise TypeError(
+                    f"{what}: state {j} is a {type(state).__name__}, not a state from "
+                    f"get_states(): env {without[0]} has no get_state()/set_state() of its own."
+                )
+        elif state.env_type not in known:
             raise ValueError(
                 f"{what}: state {j} is of a {state.env_type} env; these envs are "
                 f"{', '.join(sorted(known))}."
@@ -61,26 +69,36 @@ def check_states(vec: MultiEnv, states: Sequence[Any], what: str) -> list[EnvSna
     return checked
 
 
-def check_set_states(vec: MultiEnv, states: Sequence[Any]) -> list[EnvSnapshot]:
-    """One state per env, each of that env's class; raises naming the env otherwise."""
-    checked = check_states(vec, states, "set_states()")
+def check_set_states(vec: MultiEnv, states: Sequence[Any]) -> list[Any]:
+    """One state per env, each one that env can take; raises naming the env otherwise."""
+    if isinstance(states, EnvSnapshot | np.ndarray) or not isinstance(states, Sequence):
+        raise TypeError(
+            f"set_states() takes a list of states, one per env, got {type(states).__name__}."
+        )
+    checked = list(states)
     if len(checked) != vec.num_envs:
         raise ValueError(
             f"set_states() got {len(checked)} states for {vec.num_envs} envs; pass one per env, "
             "or use sync_states(state) to put the same state into every env."
         )
-    for env_index, (state, env_type) in enumerate(zip(checked, env_types(vec), strict=True)):
-        if state.env_type != env_type:
-            raise ValueError(
-                f"env {env_index}: state {env_index} is of a {state.env_type} env; this env is "
-                f"a {env_type}."
+    for env_index, (state, description) in enumerate(zip(checked, _descriptions(vec), strict=True)):
+        if isinstance(state, EnvSnapshot):
+            if state.env_type != description.env_type:
+                raise ValueError(
+                    f"env {env_index}: state {env_index} is of a {state.env_type} env; this env "
+                    f"is a {description.env_type}."
+                )
+        elif not description.has_own_state:
+            raise TypeError(
+                f"env {env_index}: state {env_index} is a {type(state).__name__}, not a state "
+                "from get_states(); this env has no get_state()/set_state() of its own."
             )
     return checked
 
 
 def step_batch(
     vec: MultiEnv, actions: Any, states: Sequence[Any] | None, dt: Any
-) -> tuple[list[EnvSnapshot], Any, np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+) -> tuple[list[Any], Any, np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
     """See ``MultiEnv.step_batch``; ``states`` None has been replaced by the current ones."""
     assert states is not None
     checked = check_states(vec, states, "step_batch()")
@@ -109,7 +127,7 @@ def step_batch(
         supervisor = worker.supervisor
         restarts_before.append(supervisor.stats.restarts)
         supervisor.send_request(positions[0], Command.STEP_PAIRS, pairs, int(steps[items].sum()))
-    new_states: list[EnvSnapshot | None] = [None] * count
+    new_states: list[Any] = [None] * count
     obs_list: list[Any] = [None] * count
     rewards = np.zeros(count, dtype=np.float64)
     terminated = np.zeros(count, dtype=np.bool_)
@@ -147,7 +165,7 @@ def step_batch(
     space = vec.single_observation_space
     buffer: Any = create_empty_array(space, count)
     obs = concatenate(space, obs_list, buffer)
-    return new_states, obs, rewards, terminated, truncated, infos  # type: ignore[return-value]
+    return new_states, obs, rewards, terminated, truncated, infos
 
 
 def _actions(vec: MultiEnv, actions: Any, count: int) -> list[Any]:

@@ -29,8 +29,8 @@ class Command(enum.IntEnum):
     SET_ATTR = 6  # payload: (name, value)
     CLOSE = 7  # payload: None; the worker closes its envs, replies and exits
     ATTACH = 8  # payload: (BatchLayout, worker_index, env_indices); two fds follow
-    GET_STATE = 9  # payload: None; the reply's value is an EnvSnapshot
-    SET_STATE = 10  # payload: EnvSnapshot
+    GET_STATE = 9  # payload: None; the reply's value is a state (see EnvSnapshot)
+    SET_STATE = 10  # payload: a state
     STEP_PAIRS = 11  # payload: Pairs; the reply's value is PairResults
     IS_WRAPPED = 12  # payload: a wrapper class; the reply's value is a bool
 
@@ -293,21 +293,25 @@ class EnvDescription:
     render_mode: str | None
     spec: Any
     env_type: str = ""  # the unwrapped env's class, as module.qualname; snapshots carry it
+    has_own_state: bool = False  # get_state()/set_state(state): its states are their values
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvSnapshot:
-    """One env's state, opaque and picklable: ``MultiEnv.get_states()`` returns these.
+    """The state of an env without ``get_state()``/``set_state()``: the whole env, pickled.
 
-    The state travels pickled (``data`` is bytes), so the parent passes it between workers
-    without unpickling it: the pickling is done by the workers, in parallel.
+    An env with both methods (the planning convention, as plangym passes states around) has
+    for states whatever its ``get_state()`` returns; ``MultiEnv.get_states()`` returns those
+    as they are. Any other env's state is one of these: opaque and picklable, the env with
+    its wrapper stack (time limit counters, RNG) pickled by its worker. The parent passes it
+    between workers without unpickling it.
 
     Attributes:
         env_type: The unwrapped env's class (``module.QualName``); a snapshot is restored
             only into an env of the same class.
-        kind: ``"state"``: ``data`` pickles what the env's own ``get_state()`` returned (the
-            planning convention); ``"object"``: ``data`` pickles the whole env, wrapper
-            stack included.
+        kind: ``"object"``: ``data`` pickles the whole env, wrapper stack included;
+            ``"state"`` (made by earlier versions): ``data`` pickles what the env's own
+            ``get_state()`` returned.
         data: The pickled state.
     """
 
@@ -332,7 +336,7 @@ class Pairs:
     """
 
     positions: list[int]
-    snapshots: list[EnvSnapshot | None]
+    snapshots: list[Any]
     actions: Any
     dts: list[int]
 
@@ -351,7 +355,7 @@ class PairResults:
         failures: By pair index, the env's exception.
     """
 
-    snapshots: list[EnvSnapshot | None]
+    snapshots: list[Any]
     obs: Any
     rewards: list[float]
     terminated: list[bool]

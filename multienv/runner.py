@@ -83,9 +83,14 @@ class EnvRunner:
                 render_mode=env.render_mode,
                 spec=_picklable_or_none(env.spec),
                 env_type=env_type(env),
+                has_own_state=self.has_own_state(position),
             )
-            for env in self.envs
+            for position, env in enumerate(self.envs)
         ]
+
+    def has_own_state(self, position: int) -> bool:
+        """Whether the env has ``get_state()`` and ``set_state(state)`` of its own."""
+        return self._state_access(position)[1] is not None
 
     def reset(
         self, position: int, seed: int | None = None, options: dict[str, Any] | None = None
@@ -159,16 +164,27 @@ class EnvRunner:
             return False
         raise ValueError(f"{command!r} is not a call of one env")
 
-    def get_state(self, position: int) -> EnvSnapshot:
-        """The env's own ``get_state()``, or else the whole env pickled."""
+    def get_state(self, position: int) -> Any:
+        """What the env's own ``get_state()`` returns, or else the whole env pickled."""
         env_class, getter, _ = self._state_access(position)
         if getter is not None:
-            return EnvSnapshot(env_class, "state", _dumps(getter()))
+            return getter()
         return EnvSnapshot(env_class, "object", _dumps(self.envs[position]))
 
-    def set_state(self, position: int, snapshot: EnvSnapshot) -> None:
-        """Restore a snapshot of ``get_state`` into the env at ``position``."""
+    def set_state(self, position: int, snapshot: Any) -> None:
+        """Restore a state of ``get_state`` into the env at ``position``.
+
+        A state that is not an ``EnvSnapshot`` goes to the env's own ``set_state()``.
+        """
         env_class, _, setter = self._state_access(position)
+        if not isinstance(snapshot, EnvSnapshot):
+            if setter is None:
+                raise TypeError(
+                    f"the state is a {type(snapshot).__name__}, but {env_class} has no "
+                    "get_state()/set_state() of its own; pass a state from get_states()"
+                )
+            setter(snapshot)
+            return
         if snapshot.env_type != env_class:
             raise ValueError(
                 f"the state is of a {snapshot.env_type} env; this env is a {env_class}"

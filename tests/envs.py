@@ -368,6 +368,22 @@ class StatefulCartPole(CartPoleEnv):
         self.steps_beyond_terminated, self.t = steps_beyond, t
 
 
+class ArrayStateCartPole(StatefulCartPole):
+    """Its state is one numpy array, as plangym's envs pass states around."""
+
+    def get_state(self):
+        steps_beyond = -1 if self.steps_beyond_terminated is None else self.steps_beyond_terminated
+        return np.array([*self.state, steps_beyond, self.t], dtype=np.float64)
+
+    def set_state(self, state):
+        state = np.asarray(state, dtype=np.float64)
+        if state.shape != (6,):
+            raise ValueError(f"a state is 6 numbers, got shape {state.shape}")
+        self.state = state[:4].copy()
+        self.steps_beyond_terminated = None if state[4] < 0 else int(state[4])
+        self.t = int(state[5])
+
+
 class FixedLengthEnv(CountingEnv):
     """Episodes of exactly ``length`` steps, reward 1 per step."""
 

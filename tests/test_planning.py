@@ -10,9 +10,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from multienv import EnvSnapshot, MultiEnv
+from multienv import EnvError, EnvSnapshot, MultiEnv
 from tests.conftest import Layout
-from tests.envs import CountingEnv, SlowReset, StatefulCartPole
+from tests.envs import ArrayStateCartPole, CountingEnv, SlowReset, StatefulCartPole
 
 N = 4
 
@@ -27,11 +27,11 @@ class Local:
     def __init__(self, factory):
         self.env = factory()
 
-    def restore(self, state: EnvSnapshot):
-        if state.kind == "object":
+    def restore(self, state):
+        if isinstance(state, EnvSnapshot):
             self.env = pickle.loads(state.data)
-        else:
-            self.env.set_state(state.value())
+        else:  # the env's own state, as its get_state() returned it
+            self.env.set_state(state)
 
     def signature(self):
         """What a state determines: compared across a restore, not byte for byte."""
@@ -58,9 +58,10 @@ def test_step_batch_equals_stepping_a_local_copy_from_the_same_state(factory):
         for _ in range(5):
             envs.step(rng.integers(2, size=N))
         states = envs.get_states()
-        assert {state.kind for state in states} == (
-            {"state"} if factory is StatefulCartPole else {"object"}
-        )
+        if factory is StatefulCartPole:  # the env's own get_state() values, as they are
+            assert all(isinstance(state, tuple) for state in states)
+        else:
+            assert {state.kind for state in states} == {"object"}
         local, check = Local(factory), Local(factory)
         for m in (N // 4, N, 5 * N):
             for dt in (1, 3):
@@ -160,6 +161,64 @@ def test_set_states_survives_a_respawn_and_the_restored_env_goes_on_from_its_sta
         assert envs.stats()[1]["restarts"] == 1
 
 
+def test_plangym_style_numpy_states_round_trip_and_step_batch_equals_a_local_replay():
+    with MultiEnv([ArrayStateCartPole] * N, envs_per_worker=2) as envs:
+        envs.reset(seed=5)
+        envs.step(np.ones(N, dtype=np.int64))
+        states = envs.get_states()
+        assert all(isinstance(s, np.ndarray) and s.shape == (6,) for s in states)
+        raw = [s + np.array([0.01 * i, 0, 0, 0, 0, 0]) for i, s in enumerate(states)]  # made up
+        envs.set_states(raw)
+        for got, want in zip(envs.get_states(), raw, strict=True):
+            np.testing.assert_array_equal(got, want)
+        actions = np.arange(3 * N) % 2
+        new_states, obs, rewards, terminated, truncated, _ = envs.step_batch(actions, raw * 3, dt=4)
+        local = Local(ArrayStateCartPole)
+        for j in range(3 * N):
+            want = local.run(raw[j % N], int(actions[j]), 4)
+            np.testing.assert_array_equal(obs[j], want[0])
+            assert (rewards[j], terminated[j], truncated[j]) == want[1:4]
+            assert isinstance(new_states[j], np.ndarray)  # the same form as given
+            np.testing.assert_array_equal(new_states[j], local.env.get_state())
+
+
+def test_raw_states_are_refused_where_the_env_cannot_take_them():
+    with MultiEnv([CountingEnv] * 2) as envs:
+        envs.reset()
+        with pytest.raises(TypeError, match=r"env 1: state 1 is a ndarray.*no get_state"):
+            envs.set_states([envs.get_states()[0], np.zeros(6)])
+        with pytest.raises(TypeError, match="state 0 is a ndarray"):
+            envs.step_batch(np.ones(1, dtype=np.int64), [np.zeros(6)])
+        with pytest.raises(TypeError, match="takes a list of states"):
+            envs.step_batch(np.ones(1, dtype=np.int64), np.zeros((1, 6)))
+    with MultiEnv([ArrayStateCartPole] * 2) as envs:
+        envs.reset()
+        with pytest.raises(EnvError, match=r"env 1: .*raised ValueError in set_state\(\)"):
+            envs.set_states([envs.get_states()[0], np.zeros(3)])  # the env refuses it
+
+
+@pytest.mark.fault
+def test_a_worker_sigkilled_during_step_batch_with_raw_states_is_replayed():
+    factory = functools.partial(SlowArrayStateCartPole, 0.005)
+    with MultiEnv([factory] * N, envs_per_worker=2) as envs:
+        envs.reset(seed=1)
+        states = envs.get_states()
+        actions = np.arange(40) % 2
+        want = envs.step_batch(actions, states * 10, dt=3)
+        victim = envs.envs[0].pid
+        timer = threading.Timer(0.02, os.kill, (victim, signal.SIGKILL))
+        timer.start()
+        got = envs.step_batch(actions, states * 10, dt=3)
+        timer.join()
+        assert envs.envs[0].pid != victim
+        for part_got, part_want in zip(got[1:5], want[1:5], strict=True):
+            np.testing.assert_array_equal(part_got, part_want)
+        assert all(isinstance(state, np.ndarray) for state in got[0])  # as the env gives them
+        for state_got, state_want in zip(got[0], want[0], strict=True):
+            np.testing.assert_array_equal(state_got, state_want)
+        assert got[5][0]["multienv"]["cause"] == "SIGKILL"
+
+
 class SlowStepCartPole(StatefulCartPole):
     """A StatefulCartPole whose steps take a little while, so a kill lands mid-batch."""
 
@@ -186,3 +245,17 @@ def test_states_and_step_batch_on_ray(layout):
         envs.sync_states(states[0])
         obs, *_ = envs.step(np.ones(N, dtype=np.int64))
         assert (obs == obs[0]).all()
+
+
+class SlowArrayStateCartPole(ArrayStateCartPole):
+    """An ArrayStateCartPole whose steps take a little while, so a kill lands mid-batch."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+
+    def step(self, action):
+        import time
+
+        time.sleep(self.step_s)
+        return super().step(action)
