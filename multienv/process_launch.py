@@ -29,6 +29,7 @@ from multienv.framing import MessageReader, decode, encode
 from multienv.handles import Death
 from multienv.process_reaper import PIPE_ERRORS, stop_process
 from multienv.protocol import Command, Reply, Request, worker_main
+from multienv.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,14 @@ class WorkerRecipe:
         env_fn_bytes: The cloudpickled factories of the worker's envs, by position.
         env_index: The index of the worker's first env, for names and messages.
         daemon: Start the worker as a daemon process.
+        settings: Threads and CPU pinning for the worker process.
     """
 
     context: BaseContext
     env_fn_bytes: Sequence[bytes]
     env_index: int
     daemon: bool = True
+    settings: WorkerSettings = dataclasses.field(default_factory=WorkerSettings)
 
     def launch(self) -> Launched:
         """Start the process and the thread that forwards its stderr."""
@@ -85,6 +88,7 @@ class WorkerRecipe:
                 self.env_index,
                 os.getpid(),
                 is_forkserver,
+                self.settings,
             ),
             name=f"multienv-worker-{self.env_index}",
             daemon=self.daemon,

@@ -28,6 +28,7 @@ from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 from multienv.shm_link import open_subprocess_link
 from multienv.supervisor import WorkerSupervisor
+from multienv.worker_settings import WorkerSettings
 
 EnvFn = Callable[[], gym.Env[Any, Any]]
 
@@ -98,6 +99,12 @@ class SubprocessEnv(RemoteEnv):
             Other start methods ignore it.
         daemon: Start the worker as a daemon process (default). ``False`` lets env code
             start processes of its own; the worker still exits when this process dies.
+        blas_threads: Threads per BLAS/OpenMP pool in the worker (``OMP_NUM_THREADS``,
+            ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, and the pools already loaded),
+            so that N workers do not start N full pools on the same cores. A variable set in
+            this process's environment wins; None leaves the worker's pools as they are.
+        pin_cpu: Pin the worker to one CPU (worker w on the w-th CPU this process may use,
+            round robin). Off by default; see docs/performance.rst for when it pays.
     """
 
     def __init__(
@@ -115,6 +122,8 @@ class SubprocessEnv(RemoteEnv):
         env_index: int = 0,
         preload: Sequence[str] = (),
         daemon: bool = True,
+        blas_threads: int | None = 1,
+        pin_cpu: bool = False,
     ) -> None:
         """Check the options and pickle ``env_fn``; no process is started yet."""
         supervisor = _supervise(
@@ -130,6 +139,8 @@ class SubprocessEnv(RemoteEnv):
             close_timeout_s=close_timeout_s,
             preload=preload,
             daemon=daemon,
+            blas_threads=blas_threads,
+            pin_cpu=pin_cpu,
         )
         super().__init__(supervisor, 0)
 
@@ -141,6 +152,8 @@ def _supervise(
     context: BaseContext | str | None = None,
     preload: Sequence[str] = (),
     daemon: bool = True,
+    blas_threads: int | None = 1,
+    pin_cpu: bool = False,
     **supervisor_options: Any,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one worker's handle and supervisor.
@@ -149,11 +162,15 @@ def _supervise(
     ``SubprocessEnv`` documents them.
     """
     preload_names = _checked_preload(preload, first_env_index)
+    worker_number = first_env_index // max(1, len(env_fns))
+    settings = WorkerSettings.decide(blas_threads, pin_cpu, worker_number, first_env_index)
 
     def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
         # After the options are checked and the factories pickled: may start the forkserver.
         resolved = resolve_context(context, preload_names)
-        return ProcessHandle(WorkerRecipe(resolved, env_fn_bytes, first_env_index, daemon))
+        return ProcessHandle(
+            WorkerRecipe(resolved, env_fn_bytes, first_env_index, daemon, settings)
+        )
 
     return supervise(env_fns, first_env_index, make_handle, BACKEND, **supervisor_options)
 

@@ -50,6 +50,7 @@ from multienv.runner import (
     package_failure,
 )
 from multienv.shared_memory import BatchLayout, SlotWriter
+from multienv.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ def run_worker(
     env_index: int,
     parent_pid: int,
     use_pdeathsig: bool,
+    settings: WorkerSettings,
 ) -> None:
     """Build the envs, report their spaces, then serve requests until CLOSE or the pipe breaks.
 
@@ -77,6 +79,7 @@ def run_worker(
         parent_pid: The process that owns this worker; the worker exits when it dies.
         use_pdeathsig: Ask the kernel for SIGKILL when the direct parent dies (safe only when
             the direct parent is single-threaded, as the forkserver is).
+        settings: Threads and CPU pinning, applied before the envs are built.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.dup2(stderr_conn.fileno(), 2)
@@ -86,6 +89,7 @@ def run_worker(
     if libc is not None:
         libc.prctl(_PR_SET_NAME, f"{OS_NAME_PREFIX}{env_index}".encode()[:15])
     _exit_with_parent(libc, parent_pid, use_pdeathsig)
+    settings.apply()
 
     runner = EnvRunner(env_fn_bytes)
     try:

@@ -59,6 +59,7 @@ class Args:
     plot: str = ""  # draw the throughput of json_out as a PNG at this path, and exit
     baseline: str = ""  # a checkout of multienv: its multienv rows are measured too, interleaved
     only_multienv: bool = False  # only multienv at k=1 and k=N/2, the loop and AsyncVectorEnv
+    pinned: bool = False  # also measure multienv at k=1 and k=N/2 with pin_cpu=True
 
 
 # ----------------------------------------------------------------- workloads
@@ -300,10 +301,9 @@ def run_implementation(name: str, fns: list[Callable[[], gym.Env]], steps: int) 
         return run_pufferlib(fns, int(name.rpartition("=")[2]), steps)
     if name == "multienv async k=1":
         return run_multienv_async(fns, steps)
-    k, _, views = name.rpartition("=")[2].partition(" ")
-    return run_vector(
-        lambda: MultiEnv(fns, envs_per_worker=int(k), copy=views != "views"), n, steps
-    )
+    k, _, variant = name.rpartition("=")[2].partition(" ")
+    options = {"copy": variant != "views", "pin_cpu": variant == "pinned"}
+    return run_vector(lambda: MultiEnv(fns, envs_per_worker=int(k), **options), n, steps)
 
 
 # ----------------------------------------------------------------- throughput table
@@ -317,6 +317,8 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
         kept = {"sequential loop", "gymnasium AsyncVectorEnv", "multienv k=1"}
         kept.add(f"multienv k={max(1, n // 2)}")
         names = [name for name in names if name in kept]
+    if args.pinned:
+        names += [f"multienv k={k} pinned" for k in sorted({1, max(1, n // 2)})]
     if args.baseline:
         names += [f"{name} @baseline" for name in names if name.startswith("multienv")]
     # Size a run so the sequential loop takes about args.seconds; parallel ones take less.

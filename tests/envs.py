@@ -384,6 +384,26 @@ class ArrayStateCartPole(StatefulCartPole):
         self.t = int(state[5])
 
 
+class ThreadProbe(CountingEnv):
+    """Reports what its worker process sees: thread variables, loaded pools, CPUs."""
+
+    def thread_variables(self):
+        import os
+
+        names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+        return {name: os.environ.get(name) for name in names}
+
+    def pool_threads(self):
+        import threadpoolctl
+
+        return {info["user_api"]: info["num_threads"] for info in threadpoolctl.threadpool_info()}
+
+    def cpus(self):
+        import os
+
+        return sorted(os.sched_getaffinity(0))
+
+
 class FixedLengthEnv(CountingEnv):
     """Episodes of exactly ``length`` steps, reward 1 per step."""
 

@@ -72,3 +72,26 @@ def test_vector_wrapper_on_multienv_equals_it_on_sync_vector_env(name):
     finally:
         ours.close()
         ref.close()
+
+
+def test_numpy_to_torch_on_multienv_gives_sync_vector_envs_tensors():
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install torch")
+    pytest.importorskip(
+        "array_api_compat", reason='NumpyToTorch needs pip install "gymnasium[torch]"'
+    )
+    from gymnasium.wrappers.vector import NumpyToTorch
+
+    ours, ref = NumpyToTorch(MultiEnv([cartpole] * N)), NumpyToTorch(SyncVectorEnv([cartpole] * N))
+    try:
+        got, want = ours.reset(seed=4), ref.reset(seed=4)
+        assert isinstance(got[0], torch.Tensor)
+        assert torch.equal(got[0], want[0])
+        for t in range(60):
+            actions = torch.tensor([t % 2] * N)
+            got, want = ours.step(actions), ref.step(actions)
+            for part in range(4):
+                assert isinstance(got[part], torch.Tensor), (t, part)
+                assert torch.equal(got[part], want[part]), (t, part)
+    finally:
+        ours.close()
+        ref.close()

@@ -1,0 +1,82 @@
+"""BOTH SIDES: a worker process's settings: BLAS/OpenMP threads and CPU pinning.
+
+Every worker that imports numpy or torch would start a full BLAS/OpenMP thread pool; with
+16 workers on 2 cores that oversubscription silently slows every step. So by default a
+worker runs one thread per pool. The parent decides (``WorkerSettings.decide``): the
+user's own ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS`` win, and
+``blas_threads=None`` turns the whole thing off. The worker applies them (``apply``) before
+it builds its envs: the variables for libraries the env imports later, and threadpoolctl
+for the pools already loaded (the forkserver preloads numpy, whose pool is sized then).
+
+Pinning (``pin_cpu=True``, off by default) puts worker w on the w-th of the CPUs this
+process may use, round robin, with ``os.sched_setaffinity``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """What a worker sets up in its own process before it builds its envs.
+
+    Attributes:
+        thread_env: Environment variables to set (the thread counts); empty: none.
+        cpu: The CPU to pin the worker to; None: not pinned.
+    """
+
+    thread_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cpu: int | None = None
+
+    @classmethod
+    def decide(
+        cls,
+        blas_threads: int | None,
+        pin_cpu: bool,
+        worker_number: int,
+        env_index: int,
+        environ: Mapping[str, str] = os.environ,
+    ) -> WorkerSettings:
+        """The settings of worker ``worker_number``, decided in the parent.
+
+        Args:
+            blas_threads: Threads per BLAS/OpenMP pool in the worker; None leaves them be.
+            pin_cpu: Pin the worker to one CPU.
+            worker_number: The worker's place among its vector's workers.
+            env_index: The worker's first env, for messages.
+            environ: The parent's environment: a thread variable set there wins.
+        """
+        if blas_threads is not None and (
+            not isinstance(blas_threads, int) or isinstance(blas_threads, bool) or blas_threads < 1
+        ):
+            raise ValueError(
+                f"env {env_index}: blas_threads must be an int >= 1 or None, got {blas_threads!r}"
+            )
+        thread_env: dict[str, str] = {}
+        if blas_threads is not None:
+            thread_env = {name: environ.get(name, str(blas_threads)) for name in THREAD_VARIABLES}
+        cpu = None
+        if pin_cpu:
+            cpus = sorted(os.sched_getaffinity(0))
+            cpu = cpus[worker_number % len(cpus)]
+        return cls(thread_env, cpu)
+
+    def apply(self) -> None:
+        """WORKER SIDE: set the variables, limit the loaded pools, pin the process."""
+        if self.thread_env:
+            os.environ.update(self.thread_env)
+            from threadpoolctl import threadpool_limits
+
+            # threadpoolctl limits pools by API: every loaded BLAS (OpenBLAS or MKL) gets
+            # the smaller of the two BLAS counts, OpenMP runtimes get OMP_NUM_THREADS.
+            blas = min(int(self.thread_env[name]) for name in THREAD_VARIABLES[1:])
+            threadpool_limits(
+                limits={"openmp": int(self.thread_env["OMP_NUM_THREADS"]), "blas": blas}
+            )
+        if self.cpu is not None:
+            os.sched_setaffinity(0, {self.cpu})

@@ -1,0 +1,67 @@
+"""What a worker process sees of its threads and CPUs, with real workers."""
+
+import os
+
+import numpy as np
+import pytest
+
+from multienv import MultiEnv
+from multienv.worker_settings import THREAD_VARIABLES, WorkerSettings
+from tests.envs import ThreadProbe
+
+
+@pytest.fixture
+def no_thread_variables(monkeypatch):
+    for name in THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_workers_run_one_thread_per_pool_by_default(no_thread_variables):
+    assert np.__name__  # numpy is loaded here and in the forkserver, pool and all
+    with MultiEnv([ThreadProbe] * 2, envs_per_worker=1) as envs:
+        for seen in envs.call("thread_variables"):
+            assert seen == dict.fromkeys(THREAD_VARIABLES, "1")
+        for pools in envs.call("pool_threads"):
+            assert pools  # numpy's BLAS, loaded before the env
+            assert set(pools.values()) == {1}
+
+
+def test_the_users_own_thread_variables_win(no_thread_variables, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with MultiEnv([ThreadProbe], context="forkserver") as envs:
+        (seen,) = envs.call("thread_variables")
+    assert seen == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def test_blas_threads_none_leaves_the_workers_pools_alone(no_thread_variables):
+    with MultiEnv([ThreadProbe], blas_threads=None, context="spawn") as envs:
+        (seen,) = envs.call("thread_variables")
+        (pools,) = envs.call("pool_threads")
+    assert seen == dict.fromkeys(THREAD_VARIABLES)
+    if os.cpu_count() and os.cpu_count() > 1 and "blas" in pools:
+        assert pools["blas"] > 1
+
+
+def test_blas_threads_sets_the_count():
+    with MultiEnv([ThreadProbe], blas_threads=2, context="spawn") as envs:
+        (pools,) = envs.call("pool_threads")
+    assert set(pools.values()) <= {2, 1}  # a pool smaller than 2 already stays as it is
+
+
+def test_pin_cpu_puts_each_worker_on_its_own_cpu_round_robin():
+    cpus = sorted(os.sched_getaffinity(0))
+    with MultiEnv([ThreadProbe] * 6, envs_per_worker=2, pin_cpu=True) as envs:
+        seen = envs.call("cpus")
+    assert list(seen) == [[cpus[(env // 2) % len(cpus)]] for env in range(6)]
+
+
+def test_workers_are_not_pinned_by_default():
+    with MultiEnv([ThreadProbe] * 2) as envs:
+        assert all(cpus == sorted(os.sched_getaffinity(0)) for cpus in envs.call("cpus"))
+
+
+def test_a_bad_blas_threads_names_the_env_before_anything_starts():
+    with pytest.raises(ValueError, match="env 0: blas_threads must be an int >= 1 or None"):
+        MultiEnv([ThreadProbe], blas_threads=0)
+    with pytest.raises(ValueError, match="blas_threads"):
+        WorkerSettings.decide(True, False, 0, 3)  # type: ignore[arg-type]
