@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
+import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any
 
@@ -19,7 +20,7 @@ import gymnasium as gym
 
 from multienv.env_proxy import RemoteEnv
 from multienv.factory import create_envs, supervise
-from multienv.forkserver import forkserver_context
+from multienv.forkserver import forkserver_context, forkserver_thread_env
 from multienv.handles import Backend, keyword_options
 from multienv.lifecycle import EnvState
 from multienv.process_handle import ProcessHandle
@@ -33,7 +34,11 @@ from multienv.worker_settings import WorkerSettings
 EnvFn = Callable[[], gym.Env[Any, Any]]
 
 
-def resolve_context(context: BaseContext | str | None, preload: Sequence[str] = ()) -> BaseContext:
+def resolve_context(
+    context: BaseContext | str | None,
+    preload: Sequence[str] = (),
+    thread_env: Mapping[str, str] | None = None,
+) -> BaseContext:
     """Return the multiprocessing context to start workers with.
 
     Args:
@@ -43,12 +48,14 @@ def resolve_context(context: BaseContext | str | None, preload: Sequence[str] = 
             available on request; forking a parent whose threads hold locks can deadlock
             the child.
         preload: More modules for the forkserver to import; other start methods ignore it.
+        thread_env: Thread-count variables for the forkserver to start with (see
+            ``forkserver_context``); other start methods ignore it.
     """
     if isinstance(context, BaseContext):
         return context
     name = context or ("forkserver" if sys.platform.startswith("linux") else "spawn")
     if name == "forkserver":
-        return forkserver_context(preload)
+        return forkserver_context(preload, thread_env)
     return multiprocessing.get_context(name)
 
 
@@ -167,9 +174,13 @@ def _supervise(
 
     def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
         # After the options are checked and the factories pickled: may start the forkserver.
-        resolved = resolve_context(context, preload_names)
+        resolved = resolve_context(context, preload_names, settings.thread_env)
+        # Pools born the right size in the forkserver need no resizing in its workers.
+        is_forkserver = resolved.get_start_method() == "forkserver"
+        born_with = (forkserver_thread_env() or {}) if is_forkserver else {}
+        worker_settings = settings.for_fork_from(born_with, os.environ)
         return ProcessHandle(
-            WorkerRecipe(resolved, env_fn_bytes, first_env_index, daemon, settings)
+            WorkerRecipe(resolved, env_fn_bytes, first_env_index, daemon, worker_settings)
         )
 
     return supervise(env_fns, first_env_index, make_handle, BACKEND, **supervisor_options)

@@ -33,8 +33,10 @@ def test_the_users_own_thread_variables_win(no_thread_variables, monkeypatch):
     assert seen == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
-def test_blas_threads_none_leaves_the_workers_pools_alone(no_thread_variables):
-    with MultiEnv([ThreadProbe], blas_threads=None, context="spawn") as envs:
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_blas_threads_none_leaves_the_workers_pools_alone(no_thread_variables, context):
+    # The forkserver may have started single-threaded for the vectors before: undone here.
+    with MultiEnv([ThreadProbe], blas_threads=None, context=context) as envs:
         (seen,) = envs.call("thread_variables")
         (pools,) = envs.call("pool_threads")
     assert seen == dict.fromkeys(THREAD_VARIABLES)
