@@ -17,7 +17,7 @@ from gymnasium.error import ClosedEnvironmentError
 
 from multienv.errors import EnvStateError
 from multienv.lifecycle import EnvState
-from multienv.protocol import Batch, BatchResult, Command, EnvSnapshot
+from multienv.protocol import Batch, BatchResult, Command, EnvDescription, EnvSnapshot
 from multienv.supervisor import WorkerSupervisor
 
 
@@ -155,19 +155,7 @@ class RemoteEnv(gym.Env[Any, Any]):
 
     def set_state(self, state: Any) -> None:
         """Restore a state of ``get_state()`` (replayed on a fresh worker if it dies)."""
-        description = self._supervisor.descriptions[self.position]
-        if isinstance(state, EnvSnapshot):
-            if state.env_type != description.env_type:
-                raise ValueError(
-                    f"env {self.env_index}: the state is of a {state.env_type} env; this env is "
-                    f"a {description.env_type}"
-                )
-        elif not description.has_own_state:
-            raise TypeError(
-                f"env {self.env_index}: set_state() takes a state from get_state(); "
-                f"{description.env_type} has no get_state()/set_state() of its own, so its "
-                f"states are EnvSnapshots, got {type(state).__name__}"
-            )
+        check_state(state, self._supervisor.descriptions[self.position], self.env_index)
         self._request(Command.SET_STATE, state)
 
     def render(self) -> Any:
@@ -253,6 +241,25 @@ class RemoteEnv(gym.Env[Any, Any]):
     def _request(self, command: Command, payload: Any) -> Any:
         self._check_open(command.name.lower())
         return self._supervisor.request(self.position, command, payload)
+
+
+def check_state(state: Any, description: EnvDescription, env_index: int) -> None:
+    """Raise, naming the env, if it cannot take ``state``.
+
+    It cannot take a snapshot of another class, nor a raw value when it has no
+    ``get_state()``/``set_state()`` of its own.
+    """
+    if isinstance(state, EnvSnapshot):
+        if state.env_type != description.env_type:
+            raise ValueError(
+                f"env {env_index}: the state is of a {state.env_type} env; this env is a "
+                f"{description.env_type}."
+            )
+    elif not description.has_own_state:
+        raise TypeError(
+            f"env {env_index}: the state is a {type(state).__name__}, not a state from "
+            "get_states(); this env has no get_state()/set_state() of its own."
+        )
 
 
 _TRUE = np.ones(1, dtype=np.bool_)

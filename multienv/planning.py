@@ -22,6 +22,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
+from multienv.env_proxy import check_state
 from multienv.protocol import Command, EnvDescription, EnvSnapshot, PairResults, Pairs
 
 if TYPE_CHECKING:
@@ -82,17 +83,7 @@ def check_set_states(vec: MultiEnv, states: Sequence[Any]) -> list[Any]:
             "or use sync_states(state) to put the same state into every env."
         )
     for env_index, (state, description) in enumerate(zip(checked, _descriptions(vec), strict=True)):
-        if isinstance(state, EnvSnapshot):
-            if state.env_type != description.env_type:
-                raise ValueError(
-                    f"env {env_index}: state {env_index} is of a {state.env_type} env; this env "
-                    f"is a {description.env_type}."
-                )
-        elif not description.has_own_state:
-            raise TypeError(
-                f"env {env_index}: state {env_index} is a {type(state).__name__}, not a state "
-                "from get_states(); this env has no get_state()/set_state() of its own."
-            )
+        check_state(state, description, env_index)
     return checked
 
 
