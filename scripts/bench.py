@@ -13,11 +13,16 @@ PufferLib (``pufferlib.vector.Multiprocessing``, 1 and 2 workers, all envs in on
 measured when it is installed; it is not a dependency of multienv (README.rst says how it was
 installed here). Workloads: cheap (CartPole-v1), heavy (1 ms of CPU per step), bigobs
 (210x160x3 uint8 observations), straggler (0.2 ms of CPU per step; 5% of steps also sleep
-10 ms). multienv runs with ``envs_per_worker`` k in {1, N/2, N}; "multienv async" keeps
-every env in flight with ``send``/``recv(batch_size=N // 2)``; the others step the whole
-batch in lock step. Gymnasium and multienv return copies of the observations (their default,
-``copy=True``); PufferLib returns views, and so does the row "multienv k=N/2 views"
-(``copy=False``).
+10 ms), and two real ones from ``pip install -e ".[bench]"``: pong (ale-py's ALE/Pong-v5,
+210x160 RGB, frameskip 4, sticky actions 0.25) and halfcheetah (Gymnasium's HalfCheetah-v5
+on MuJoCo); each is skipped, saying why, when its package is missing. On those, EnvPool
+(its own C++ port of the env, matched settings; skipped when not installed) and, for Pong,
+ale-py's own AtariVectorEnv join as peers, and "x EnvPool" is the ratio to EnvPool within
+each round. Every implementation steps the same pre-sampled random actions. multienv runs
+with ``envs_per_worker`` k in {1, N/2, N}; "multienv async" keeps every env in flight with
+``send``/``recv(batch_size=N // 2)``; the others step the whole batch in lock step.
+Gymnasium and multienv return copies of the observations (their default, ``copy=True``);
+PufferLib returns views, and so does the row "multienv k=N/2 views" (``copy=False``).
 
 Every sample runs in a fresh process; implementations are interleaved in rounds; each
 figure is the median over rounds, and each ratio is the median of the ratios measured
@@ -43,6 +48,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.vector.utils import batch_space
 
 from multienv import MultiEnv, RestartPolicy, SubprocessEnv
 
@@ -133,13 +139,68 @@ class StragglerEnv(gym.Env):
         return np.zeros(4, dtype=np.float32), 1.0, self.t >= 200, False, {}
 
 
+def make_pong() -> gym.Env:
+    """ALE/Pong-v5 as a new user makes it: 210x160 RGB, frameskip 4, sticky actions 0.25."""
+    import ale_py
+
+    gym.register_envs(ale_py)
+    return gym.make("ALE/Pong-v5")
+
+
+def make_halfcheetah() -> gym.Env:
+    """Gymnasium's HalfCheetah-v5 on MuJoCo."""
+    return gym.make("HalfCheetah-v5")
+
+
 WORKLOADS: dict[str, tuple[Callable[[], gym.Env], int]] = {
     # name: (env factory, env steps per second one process does, roughly; sizes each run)
     "cheap": (functools.partial(gym.make, "CartPole-v1"), 60_000),
     "heavy": (HeavyEnv, 1_000),
     "bigobs": (BigObsEnv, 20_000),
     "straggler": (StragglerEnv, 1_500),
+    "pong": (make_pong, 4_000),  # pip install -e ".[bench]"
+    "halfcheetah": (make_halfcheetah, 25_000),
 }
+ALE_MATCHED = {  # ale-py's own vector env, set up as ALE/Pong-v5 is
+    "img_height": 210,
+    "img_width": 160,
+    "grayscale": False,
+    "stack_num": 1,
+    "frameskip": 4,
+    "maxpool": False,
+    "noop_max": 0,
+    "repeat_action_probability": 0.25,
+    "reward_clipping": False,
+    "use_fire_reset": False,
+    "episodic_life": False,
+}
+REAL_WORKLOADS = {"pong": "ale_py", "halfcheetah": "mujoco"}  # and the module each needs
+ENVPOOL_TASKS = {  # EnvPool's own port of the env, with matched settings
+    "pong": (
+        "Pong-v5",
+        {
+            "img_height": 210,
+            "img_width": 160,
+            "gray_scale": False,
+            "stack_num": 1,
+            "frame_skip": 4,
+            "repeat_action_probability": 0.25,
+            "noop_max": 1,
+            "episodic_life": False,
+            "reward_clip": False,
+        },
+    ),
+    "halfcheetah": ("HalfCheetah-v5", {}),
+}
+
+
+def action_bank(fns: list[Callable[[], gym.Env]], size: int = 64) -> list[Any]:
+    """Pre-sampled random batches of actions for N envs, the same in every implementation."""
+    probe = fns[0]()
+    space = batch_space(probe.action_space, len(fns))
+    probe.close()
+    space.seed(0)
+    return [space.sample() for _ in range(size)]
 
 
 # ----------------------------------------------------------------- implementations
@@ -167,30 +228,30 @@ class Timer:
         self.cores_busy = cores * (busy - self.busy0) / max(1, total - self.total0)
 
 
-def run_loop(fns: list[Callable[[], gym.Env]], vector_steps: int) -> Timer:
+def run_loop(fns: list[Callable[[], gym.Env]], vector_steps: int, bank: list[Any]) -> Timer:
     envs = [fn() for fn in fns]
     for i, env in enumerate(envs):
         env.reset(seed=i)
     with Timer() as timer:
-        for _ in range(vector_steps):
-            for env in envs:
-                _, _, terminated, truncated, _ = env.step(0)
+        for t in range(vector_steps):
+            actions = bank[t % len(bank)]
+            for i, env in enumerate(envs):
+                _, _, terminated, truncated, _ = env.step(actions[i])
                 if terminated or truncated:
                     env.reset()
     return timer
 
 
-def run_vector(build: Callable[[], Any], n: int, vector_steps: int) -> Timer:
-    """A vector env with Gymnasium's (or SB3's) autoresetting ``step``."""
+def run_vector(build: Callable[[], Any], vector_steps: int, bank: list[Any]) -> Timer:
+    """A vector env with Gymnasium's (or SB3's, or EnvPool's) autoresetting ``step``."""
     envs = build()
     try:
         envs.reset()
-        actions = np.zeros(n, dtype=np.int64)
-        for _ in range(20):
-            envs.step(actions)
+        for t in range(20):
+            envs.step(bank[t % len(bank)])
         with Timer() as timer:
-            for _ in range(vector_steps):
-                envs.step(actions)
+            for t in range(vector_steps):
+                envs.step(bank[t % len(bank)])
         return timer
     finally:
         envs.close()
@@ -246,17 +307,18 @@ def run_pufferlib(fns: list[Callable[[], gym.Env]], workers: int, vector_steps: 
         envs.close()
 
 
-def run_multienv_async(fns: list[Callable[[], gym.Env]], vector_steps: int) -> Timer:
+def run_multienv_async(
+    fns: list[Callable[[], gym.Env]], vector_steps: int, bank: list[Any]
+) -> Timer:
     n = len(fns)
     batch_size = max(1, n // 2)
     with MultiEnv(fns) as envs:
         envs.reset()
-        envs.send(np.zeros(n, dtype=np.int64))
-        actions = np.zeros(batch_size, dtype=np.int64)
+        envs.send(bank[0])
         with Timer() as timer:
-            for _ in range(2 * vector_steps):
+            for t in range(2 * vector_steps):
                 *_, infos = envs.recv(batch_size=batch_size)
-                envs.send(actions, infos["env_id"])
+                envs.send(bank[t % len(bank)][infos["env_id"]], infos["env_id"])
         envs.recv()
     timer.wall_s *= n / (2 * batch_size)  # the same env steps as vector_steps full batches
     return timer
@@ -270,9 +332,13 @@ def is_installed(module: str) -> bool:
     return True
 
 
-def implementations(n: int) -> list[str]:
+def implementations(n: int, workload: str = "cheap") -> list[str]:
     """The names of the implementations measured at N envs (optional ones when installed)."""
     names = ["sequential loop", "gymnasium AsyncVectorEnv"]
+    if workload in ENVPOOL_TASKS and is_installed("envpool"):
+        names.append("EnvPool")
+    if workload == "pong" and is_installed("ale_py.vector_env"):
+        names.append("ale-py AtariVectorEnv")
     if is_installed("stable_baselines3"):
         names.append("SB3 SubprocVecEnv")
     if is_installed("tianshou"):
@@ -285,25 +351,39 @@ def implementations(n: int) -> list[str]:
     return names
 
 
-def run_implementation(name: str, fns: list[Callable[[], gym.Env]], steps: int) -> Timer:
+def run_implementation(
+    name: str, workload: str, fns: list[Callable[[], gym.Env]], steps: int
+) -> Timer:
     n = len(fns)
+    bank = action_bank(fns)
     if name == "sequential loop":
-        return run_loop(fns, steps)
+        return run_loop(fns, steps, bank)
     if name == "gymnasium AsyncVectorEnv":
-        return run_vector(lambda: gym.vector.AsyncVectorEnv(fns, shared_memory=True), n, steps)
+        return run_vector(lambda: gym.vector.AsyncVectorEnv(fns, shared_memory=True), steps, bank)
     if name == "SB3 SubprocVecEnv":
         from stable_baselines3.common.vec_env import SubprocVecEnv
 
-        return run_vector(lambda: SubprocVecEnv(fns), n, steps)
+        return run_vector(lambda: SubprocVecEnv(fns), steps, bank)
+    if name == "EnvPool":
+        import envpool
+
+        task, matched = ENVPOOL_TASKS[workload]
+        return run_vector(
+            lambda: envpool.make(task, env_type="gymnasium", num_envs=n, **matched), steps, bank
+        )
+    if name == "ale-py AtariVectorEnv":
+        from ale_py.vector_env import AtariVectorEnv
+
+        return run_vector(lambda: AtariVectorEnv("pong", n, **ALE_MATCHED), steps, bank)
     if name == "Tianshou ShmemVectorEnv":
         return run_tianshou(fns, steps)
     if name.startswith("PufferLib workers="):
         return run_pufferlib(fns, int(name.rpartition("=")[2]), steps)
     if name == "multienv async k=1":
-        return run_multienv_async(fns, steps)
+        return run_multienv_async(fns, steps, bank)
     k, _, variant = name.rpartition("=")[2].partition(" ")
     options = {"copy": variant != "views", "pin_cpu": variant == "pinned"}
-    return run_vector(lambda: MultiEnv(fns, envs_per_worker=int(k), **options), n, steps)
+    return run_vector(lambda: MultiEnv(fns, envs_per_worker=int(k), **options), steps, bank)
 
 
 # ----------------------------------------------------------------- throughput table
@@ -312,9 +392,9 @@ def run_implementation(name: str, fns: list[Callable[[], gym.Env]], steps: int) 
 def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
     """Every implementation, each sample in a fresh process, interleaved over rounds."""
     _, single_rate = WORKLOADS[workload]
-    names = implementations(n)
+    names = implementations(n, workload)
     if args.only_multienv:  # the references, and multienv at k=1 and k=N/2
-        kept = {"sequential loop", "gymnasium AsyncVectorEnv", "multienv k=1"}
+        kept = {"sequential loop", "gymnasium AsyncVectorEnv", "multienv k=1", "EnvPool"}
         kept.add(f"multienv k={max(1, n // 2)}")
         names = [name for name in names if name in kept]
     if args.pinned:
@@ -359,19 +439,26 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
         if puffer:  # PufferLib's best layout within each round
             best = [max(samples[p][r]["steps_per_s"] for p in puffer) for r in range(args.rounds)]
             row["x_puffer_best"] = ratio(best)
+        if "EnvPool" in samples:
+            row["x_envpool"] = ratio([v["steps_per_s"] for v in samples["EnvPool"]])
         rows[name] = row
     return rows
 
 
 def print_table(workload: str, n: int, rows: dict[str, Any]) -> None:
     has_puffer = any("x_puffer_best" in row for row in rows.values())
+    has_envpool = any("x_envpool" in row for row in rows.values())
     print(f"\n{workload}, N={n}")
     header = f"{'implementation':<26}{'steps/s':>10}{'x loop':>8}{'x Async':>9}"
-    print(header + (f"{'x Puffer':>10}" if has_puffer else "") + f"{'cores':>7}{'CPU us/step':>13}")
+    header += f"{'x Puffer':>10}" if has_puffer else ""
+    header += f"{'x EnvPool':>10}" if has_envpool else ""
+    print(header + f"{'cores':>7}{'CPU us/step':>13}")
     for name, row in rows.items():
         line = f"{name:<26}{row['steps_per_s']:>10,.0f}{row['x_loop']:>8.2f}{row['x_async']:>9.2f}"
         if has_puffer:
             line += f"{row['x_puffer_best']:>10.2f}"
+        if has_envpool:
+            line += f"{row['x_envpool']:>10.2f}"
         line += f"{row['cores_busy']:>7.2f}{row['cpu_us_per_step']:>13.1f}"
         if "x_this_vs_baseline" in row:
             line += f"  this/baseline {row['x_this_vs_baseline']:.3f}"
@@ -497,7 +584,7 @@ def run_child(args: Args) -> int:
     if kind == "throughput":
         workload, n, steps, name = rest.split(":", 3)
         fns = [WORKLOADS[workload][0]] * int(n)
-        timer = run_implementation(name, fns, int(steps))
+        timer = run_implementation(name, workload, fns, int(steps))
         rate = int(steps) * int(n) / timer.wall_s
         print(json.dumps({"steps_per_s": rate, "cores_busy": timer.cores_busy}))
     elif kind == "memory":
@@ -560,6 +647,12 @@ def main(args: Args) -> int:
     results: dict[str, Any] = {"args": dataclasses.asdict(args), "throughput": {}}
     for cell in cells:
         workload, _, n = cell.partition(":")
+        needs = REAL_WORKLOADS.get(workload)
+        if needs is not None and not is_installed(needs):
+            print(
+                f'\n{workload}, N={n}: skipped, {needs} is not installed: pip install -e ".[bench]"'
+            )
+            continue
         rows = measure_throughput(args, workload, int(n))
         results["throughput"][f"{workload}/N={n}"] = rows
         print_table(workload, int(n), rows)
