@@ -18,7 +18,7 @@ from multienv.ray_env import RayEnv, RayOptions, create_ray_envs
 from multienv.recycle import RecyclePolicy
 from multienv.registration import make_vec
 from multienv.restart import RestartPolicy
-from multienv.subprocess_env import SubprocessEnv, create_subprocess_envs
+from multienv.subprocess_env import SubprocessEnv, create_subprocess_envs, start_forkserver
 
 __version__ = "0.1.0"
 
@@ -43,4 +43,5 @@ __all__ = [
     "create_subprocess_envs",
     "evaluate",
     "make_vec",
+    "start_forkserver",
 ]

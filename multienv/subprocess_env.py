@@ -59,20 +59,49 @@ def resolve_context(
     return multiprocessing.get_context(name)
 
 
-def _checked_preload(preload: Sequence[str], env_index: int) -> tuple[str, ...]:
+def start_forkserver(preload: Sequence[str] = (), *, blas_threads: int | None = 1) -> None:
+    """Start this process's forkserver now, so that the first vector does not wait for it.
+
+    Workers fork from a server process that imports numpy, gymnasium, multienv's worker and
+    your script once. It otherwise starts with the first vector; call this at the top of a
+    training script (under ``if __name__ == "__main__":``) and its imports run while your
+    script sets up. Idempotent; nothing happens at ``import multienv``. On a platform without
+    forkserver (not Linux) it does nothing.
+
+    Example:
+        >>> import multienv
+        >>> multienv.start_forkserver(preload=["gymnasium.envs.classic_control"])
+
+    Args:
+        preload: More modules for the server to import (an env's package, such as
+            ``"ale_py"``), shared by every worker instead of imported by each.
+        blas_threads: The thread count the server's BLAS/OpenMP pools are born with, as the
+            vectors' ``blas_threads`` option; pass the value your vectors use.
+
+    Raises:
+        ModuleNotFoundError: A module of ``preload`` is not installed.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    names = _checked_preload(preload, "start_forkserver()")
+    settings = WorkerSettings.decide(blas_threads, False, 0, 0)
+    forkserver_context(names, settings.thread_env)
+
+
+def _checked_preload(preload: Sequence[str], owner: str) -> tuple[str, ...]:
     """Return the module names of ``preload``; raise, naming the env, if one is not installed."""
     is_collection = isinstance(preload, Iterable) and not isinstance(preload, str | bytes)
     names = tuple(preload) if is_collection else ()
     if not is_collection or not all(isinstance(name, str) for name in names):
         raise TypeError(
-            f"env {env_index}: preload must be a list of module names, such as "
+            f"{owner}: preload must be a list of module names, such as "
             f"['gymnasium.envs.classic_control'], got {preload!r}"
         )
     for name in names:
         top_level = name.partition(".")[0]
         if not top_level or importlib.util.find_spec(top_level) is None:
             raise ModuleNotFoundError(
-                f"env {env_index}: preload names {name!r}, but no module {top_level!r} is installed"
+                f"{owner}: preload names {name!r}, but no module {top_level!r} is installed"
             )
     return names
 
@@ -168,7 +197,7 @@ def _supervise(
     ``supervisor_options`` are ``WorkerSupervisor``'s (timeouts, policies), as
     ``SubprocessEnv`` documents them.
     """
-    preload_names = _checked_preload(preload, first_env_index)
+    preload_names = _checked_preload(preload, f"env {first_env_index}")
     worker_number = first_env_index // max(1, len(env_fns))
     settings = WorkerSettings.decide(blas_threads, pin_cpu, worker_number, first_env_index)
 
@@ -228,4 +257,5 @@ __all__ = [
     "SubprocessEnv",
     "create_subprocess_envs",
     "resolve_context",
+    "start_forkserver",
 ]

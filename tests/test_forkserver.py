@@ -215,3 +215,39 @@ def test_a_script_that_starts_envs_at_its_top_level_gets_a_crash_loop_error_that
     assert "EnvCrashLoopError: env 0: worker died 2 times" in done.stderr
     assert "last cause exit code 1" in done.stderr
     assert 'move that under `if __name__ == "__main__":`' in done.stderr
+
+
+_WARM_SCRIPT = """
+import numpy as np
+import multienv
+from multienv.forkserver import forkserver_thread_env
+from tests.envs import CountingEnv
+
+if __name__ == "__main__":
+    assert forkserver_thread_env() is None, "started at import"
+    multienv.start_forkserver(preload=["env_package"])
+    assert forkserver_thread_env() is not None, "not started"
+    multienv.start_forkserver(preload=["env_package"])  # idempotent: no second server
+    with multienv.MultiEnv([CountingEnv] * 3) as envs:
+        envs.reset()
+        envs.step(np.zeros(3, dtype=np.int64))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_start_forkserver_starts_it_once_with_its_preload_and_nothing_starts_at_import(
+    tmp_path,
+):
+    imports = write_module_that_counts_its_imports(tmp_path, "env_package")
+    script = tmp_path / "train.py"
+    script.write_text(_WARM_SCRIPT)
+    done = run_python([str(script)], path=[tmp_path])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert imports() == 1  # in the forkserver only; its 3 workers fork with it loaded
+
+
+def test_start_forkserver_rejects_a_missing_module_naming_itself():
+    import multienv
+
+    with pytest.raises(ModuleNotFoundError, match=r"start_forkserver\(\): preload names"):
+        multienv.start_forkserver(preload=["no_such_module_here"])
