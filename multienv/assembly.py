@@ -42,6 +42,13 @@ class InfoMerger:
         merged: dict[str, Any] = self._add_info(infos, info, env_index)  # type: ignore[misc]
         return merged
 
+    def merge(self, infos_by_env: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """The infos of many envs (by env index) merged, in env order."""
+        infos: dict[str, Any] = {}
+        for env_index in sorted(infos_by_env):
+            infos = self.add(infos, infos_by_env[env_index], env_index)
+        return infos
+
 
 class Assembly:
     """A vector's returned batches, and the per-env state that results update.
@@ -111,7 +118,7 @@ class Assembly:
     ) -> tuple[StepBatch, dict[int, BaseException]]:
         """The step's batch, and its errors by env index (an env that raised did not step)."""
         rewards, terminations, truncations = self._rewards, self._terminations, self._truncations
-        infos: dict[str, Any] = {}
+        pickled: dict[int, dict[str, Any]] = {}  # infos that came through the pipe, by env
         errors: dict[int, BaseException] = {}
         autoreset = self.autoreset
         clean = [
@@ -149,7 +156,11 @@ class Assembly:
                 if must_reset:
                     info = self._crash_reset(env_index, info)
                 if info:
-                    infos = self._infos.add(infos, info, env_index)
+                    pickled[env_index] = info
+        if plan is not None:
+            infos = self._column_infos(pickled, outcome, groups, len(clean))
+        else:
+            infos = self._infos.merge(pickled)
         if errors:
             failed = np.array(sorted(errors))
             rewards[failed], terminations[failed], truncations[failed] = 0.0, False, False
@@ -231,6 +242,27 @@ class Assembly:
         self._truncations[index] = truncated
         self.autoreset.after_step(index, terminated, truncated)
         self.counters.note_planned(index, plan.is_reset[index], terminated, truncated)
+
+    def _column_infos(
+        self,
+        pickled: dict[int, dict[str, Any]],
+        outcome: Outcome,
+        groups: Sequence[WorkerGroup],
+        num_clean: int,
+    ) -> dict[str, Any]:
+        """A planned step's infos: ``pickled`` and the rows of the workers that answered it."""
+        assert self.shared_link is not None
+        if num_clean == len(groups):
+            return self.shared_link.merge_info_columns(pickled, slice(None), self._infos.add)
+        answered = [
+            groups[number].env_ids
+            for number, (result, group_errors) in outcome.items()
+            if (result is None and not group_errors) or (result is not None and result.info_columns)
+        ]
+        if not answered:
+            return self._infos.merge(pickled)
+        fresh = np.concatenate([np.asarray(ids, dtype=np.intp) for ids in answered])
+        return self.shared_link.merge_info_columns(pickled, fresh, self._infos.add)
 
     def _crash_reset(self, env_index: int, info: dict[str, Any]) -> dict[str, Any]:
         """SAME_STEP: reset an env whose worker died mid-step; report the crash's final obs."""

@@ -30,6 +30,7 @@ FAST_BATCH = 0x01
 FAST_ITEM = struct.Struct("<HB")  # position, flags
 ITEM_DTYPE = np.dtype([("position", "<u2"), ("flags", "u1")])  # FAST_ITEM, as numpy
 IS_RESET, IS_AUTORESET, IS_SLOT_1, IS_KEEP_NP_RANDOM = 1, 2, 4, 8  # the flags of a FAST_ITEM
+IS_INFO_COLUMNS = 16  # a plain info goes into the shared info columns (``info_columns``)
 _SLOT_SHIFT = 2  # IS_SLOT_1 == 1 << _SLOT_SHIFT
 DONE_RECORD = struct.Struct("<HBB")  # worker_index, seq, DONE_OK or DONE_REPLY; atomic in a pipe
 DONE_OK = 0  # everything is in shared memory
@@ -46,10 +47,18 @@ decode = pickle.loads
 
 
 def item_flags(
-    is_reset: np.ndarray, slots: np.ndarray, autoreset: bool, keep_np_random: bool = False
+    is_reset: np.ndarray,
+    slots: np.ndarray,
+    autoreset: bool,
+    keep_np_random: bool = False,
+    info_columns: bool = False,
 ) -> np.ndarray | list[int]:
-    """The flags byte of each item: reset or step, autoreset, the slot to write, keep rng."""
-    common = (IS_AUTORESET if autoreset else 0) | (IS_KEEP_NP_RANDOM if keep_np_random else 0)
+    """The flags byte of each item: reset or step, autoreset, slot, keep rng, info columns."""
+    common = (
+        (IS_AUTORESET if autoreset else 0)
+        | (IS_KEEP_NP_RANDOM if keep_np_random else 0)
+        | (IS_INFO_COLUMNS if info_columns else 0)
+    )
     if is_reset.size == 1:  # one env: Python ints are faster than numpy ops
         return [int(is_reset[0]) | common | (int(slots[0]) << _SLOT_SHIFT)]
     flags: np.ndarray = (

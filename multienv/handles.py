@@ -33,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import gymnasium as gym
 import numpy as np
 
+from multienv.info_columns import AddInfo
 from multienv.protocol import Batch, BatchResult, Reply, Request, StepPlan
 
 ENTRY_POINT_GROUP = "multienv.backends"
@@ -150,6 +151,15 @@ class SharedMemoryLink(VectorLink, Protocol):
         Returns:
             Those envs' rewards, terminated and truncated flags: views that the next step
             overwrites, so read them at once.
+        """
+
+    def merge_info_columns(
+        self, pickled: dict[int, dict[str, Any]], fresh: slice | np.ndarray, add_info: AddInfo
+    ) -> dict[str, Any]:
+        """A planned step's infos: the ``pickled`` ones, by env, and the rows of envs ``fresh``.
+
+        ``fresh`` is ``slice(None)`` or env indices, of envs whose workers answered the step;
+        see ``info_columns.ColumnReader.merge``.
         """
 
 

@@ -281,6 +281,9 @@ class ProcessHandle:
     def _batch_result(self, reply: Reply) -> BatchResult:
         """The result of the batch in flight, from its reply and the shared memory."""
         batch, env_ids = self._batch, self._batch_env_ids
+        is_planned = batch is None
+        if reply.schemas and self._shared is not None:
+            self._shared.infos.register(self._worker_index, reply.schemas)
         if batch is None:  # a planned step's slice
             assert isinstance(env_ids, slice)
             count = env_ids.stop - env_ids.start
@@ -307,6 +310,7 @@ class ProcessHandle:
                 flags[1, env_ids].copy(),
                 None,
                 extras,
+                info_columns=is_planned,
             )
         assert self._batch_slots is not None
         if result.extras:

@@ -48,11 +48,13 @@ class Request:
 class Reply:
     """The answer to a ``Request`` (or to a fast batch that had more to say than its record).
 
-    ``value`` is the result when ``failure`` is None.
+    ``value`` is the result when ``failure`` is None. ``schemas`` are the info schemas a
+    worker numbered in this fast batch (``info_columns``), as ``(id, InfoSchema)``.
     """
 
     value: Any = None
     failure: RemoteFailure | None = None
+    schemas: list[tuple[int, Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -215,6 +217,8 @@ class BatchResult:
         extras: By item index, only where there is more to say: a non-empty info, a
             same-step autoreset (``obs`` holds the final observation, ``reset`` the new
             episode's info), or a failure.
+        info_columns: The worker answered this planned step itself, so its envs' rows of
+            the shared info columns are this step's (``info_columns``).
     """
 
     rewards: np.ndarray
@@ -222,6 +226,7 @@ class BatchResult:
     truncated: np.ndarray
     obs: list[Any] | None
     extras: dict[int, Outcome]
+    info_columns: bool = False
 
     @staticmethod
     def empty(size: int) -> BatchResult:

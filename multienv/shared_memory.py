@@ -7,7 +7,8 @@ One anonymous memory file (``os.memfd_create``) per vector holds, for every env:
   worker is killed halfway through a write, that observation is still intact, and the
   truncation the caller gets for the crash carries it (DESIGN.md);
 - its action, written by the parent before the step is sent (array action spaces only);
-- its reward, terminated and truncated flags.
+- its reward, terminated and truncated flags;
+- a row of info cells and the id of the info's schema (``info_columns``).
 
 The file has no name, so nothing is left in ``/dev/shm`` whatever kills the parent; its fd
 travels to each worker over the pipe (``multiprocessing.reduction.send_handle``), again after
@@ -36,6 +37,7 @@ import gymnasium as gym
 import numpy as np
 
 from multienv.framing import DONE_RECORD
+from multienv.info_columns import CELL_DTYPE, MAX_CELLS, SCHEMA_DTYPE, ColumnReader, ColumnWriter
 
 _ARRAY_SPACES = (
     gym.spaces.Box,
@@ -105,6 +107,8 @@ class BatchLayout:
             self._add(("action",), (num_envs, *(action_space.shape or ())), action_space.dtype)
         self._add(("reward",), (num_envs,), np.dtype(np.float64))
         self._add(("flags",), (2, num_envs), np.dtype(np.bool_))
+        self._add(("info_schema",), (num_envs,), SCHEMA_DTYPE)
+        self._add(("info_cells",), (num_envs, MAX_CELLS), CELL_DTYPE)
         self.size = max(self._size, 1)
 
     @staticmethod
@@ -145,11 +149,13 @@ class _Mapping:
         self.actions = views[repr(("action",))] if layout.has_actions else None
         self.rewards = views[repr(("reward",))]
         self.flags = views[repr(("flags",))]
+        self.info_schema = views[repr(("info_schema",))]
+        self.info_cells = views[repr(("info_cells",))]
 
     def release(self) -> None:
         """Drop the views and unmap, unless a caller still holds a view (then GC unmaps)."""
         self.obs, self.actions = {}, None
-        self.rewards = self.flags = np.empty(0)
+        self.rewards = self.flags = self.info_schema = self.info_cells = np.empty(0)
         try:
             self.memory.close()
         except BufferError:
@@ -165,6 +171,7 @@ class SharedBatch:
         num_envs: How many envs the vector has.
         worker_groups: The workers (by worker index) each parent thread collects, one done
             pipe per group.
+        worker_of_env: Each env's worker index (default: one worker per env).
     """
 
     def __init__(
@@ -173,6 +180,7 @@ class SharedBatch:
         action_space: gym.Space[Any],
         num_envs: int,
         worker_groups: Sequence[Sequence[int]],
+        worker_of_env: Sequence[int] | np.ndarray | None = None,
     ) -> None:
         """Allocate the memory file and map it."""
         self.layout = BatchLayout(observation_space, action_space, num_envs)
@@ -181,6 +189,11 @@ class SharedBatch:
         self._mapping = _Mapping(self.layout, self.fd)
         self.slot = np.zeros(num_envs, dtype=np.int8)  # the slot holding each env's last obs
         num_workers = sum(len(group) for group in worker_groups)
+        self.infos = ColumnReader(
+            self._mapping.info_schema,
+            self._mapping.info_cells,
+            np.arange(num_envs) if worker_of_env is None else np.asarray(worker_of_env),
+        )
         self._done_pipes: list[tuple[int, int]] = []
         self._done_pipe_of = [(-1, -1)] * num_workers
         for group in worker_groups:
@@ -308,6 +321,7 @@ class SlotWriter:
         self.env_indices = list(env_indices)
         self._obs = list(self._mapping.obs.items())
         self._is_discrete = isinstance(layout.action_space, gym.spaces.Discrete)
+        self.infos = ColumnWriter(self._mapping.info_schema, self._mapping.info_cells)
 
     def read_actions(self, positions: Sequence[int]) -> list[Any]:
         """The actions of the envs at ``positions`` as the parent wrote them (Discrete: ints)."""

@@ -20,6 +20,7 @@ from gymnasium.vector.utils import create_shared_memory
 
 from multienv import framing
 from multienv.handles import VectorLink, WorkerHandle
+from multienv.info_columns import AddInfo
 from multienv.process_handle import ProcessHandle
 from multienv.process_launch import poll_ms
 from multienv.protocol import StepPlan
@@ -69,7 +70,12 @@ class SubprocessLink:
         if shared_memory and not supported:
             _explain_no_shared_memory(observation_space)  # unless Gymnasium could share it
         if supported and shared_memory is not False:
-            self._shared = SharedBatch(observation_space, action_space, num_envs, worker_groups)
+            worker_of_env = np.zeros(num_envs, dtype=np.intp)
+            for worker_index, indices in enumerate(env_indices):
+                worker_of_env[[i for i in indices if i >= 0]] = worker_index
+            self._shared = SharedBatch(
+                observation_space, action_space, num_envs, worker_groups, worker_of_env
+            )
         self.has_shared_obs = self._shared is not None
         self._handles = list(handles)
         for worker_index, handle in enumerate(handles):
@@ -152,7 +158,7 @@ class SubprocessLink:
             steps = ~is_reset
             shared.actions[steps] = actions[steps]
         slots = shared.next_slots(slice(None))
-        flags = framing.item_flags(is_reset, slots, autoreset)
+        flags = framing.item_flags(is_reset, slots, autoreset, info_columns=True)
         encoded = framing.encode_items(None, flags, out=items)
         return StepPlan(actions, is_reset, autoreset, framing.PlannedItems(encoded, slots))
 
@@ -163,6 +169,13 @@ class SubprocessLink:
         shared.move_to(index, plan.wire.slots[index])
         flags = shared.flags
         return shared.rewards[index], flags[0, index], flags[1, index]
+
+    def merge_info_columns(
+        self, pickled: dict[int, dict[str, Any]], fresh: slice | np.ndarray, add_info: AddInfo
+    ) -> dict[str, Any]:
+        """A planned step's infos: ``pickled`` ones by env, and the rows of envs ``fresh``."""
+        assert self._shared is not None
+        return self._shared.infos.merge(pickled, fresh, add_info)
 
     def close(self) -> None:
         """Free the shared memory; the handles forget it."""

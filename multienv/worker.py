@@ -32,6 +32,7 @@ from multienv.framing import (
     DONE_REPLY,
     FAST_BATCH,
     IS_AUTORESET,
+    IS_INFO_COLUMNS,
     IS_KEEP_NP_RANDOM,
     IS_RESET,
     MessageReader,
@@ -204,6 +205,7 @@ class _Loop:
         items = list(raw_items)
         runner = self.runner
         envs, check = runner.envs, runner.check
+        columns, env_indices = writer.infos, writer.env_indices
         actions = writer.read_actions(
             [position for position, flags in items if not flags & IS_RESET]
         )
@@ -233,8 +235,15 @@ class _Loop:
                         info = {}
             except Exception as exc:  # noqa: BLE001 - reported for this env only; siblings go on
                 extras[position] = Outcome(failure=package_failure(exc, position))
+                if flags & IS_INFO_COLUMNS:
+                    columns.clear(env_indices[position])
                 continue
-            if info:
+            if flags & IS_INFO_COLUMNS:
+                if not info:
+                    columns.clear(env_indices[position])
+                elif not columns.write(env_indices[position], info):
+                    extras[position] = Outcome(info=info)
+            elif info:
                 extras[position] = Outcome(info=info)
             if flags & IS_KEEP_NP_RANDOM and (terminated or truncated):
                 outcome = extras.setdefault(position, Outcome())
@@ -245,11 +254,12 @@ class _Loop:
             terminations.append(terminated)
             truncations.append(truncated)
         writer.write_results(done_positions, rewards, terminations, truncations)
-        if not extras:
+        schemas = columns.take_pending() if columns.pending else None
+        if not extras and schemas is None:
             writer.notify(seq, DONE_OK)
             return
         writer.notify(seq, DONE_REPLY)
-        write_message(self.fd, encode_reply(Reply(extras), None, resets))
+        write_message(self.fd, encode_reply(Reply(extras, schemas=schemas), None, resets))
 
 
 def _libc() -> Any:

@@ -564,3 +564,42 @@ class ActionTypeEcho(BoxActionEnv):
     def step(self, action):
         obs, reward, terminated, truncated, _ = super().step(action)
         return obs, reward, terminated, truncated, {"dtype": str(np.asarray(action).dtype)}
+
+
+class VaryingInfoEnv(CountingEnv):
+    """Infos of many shapes, by step: plain numbers of each kind, none, and unplain values."""
+
+    INFOS: ClassVar[list[Any]] = [
+        lambda t: {"x": float(t), "n": t, "ok": t % 2 == 0},  # Python float, int, bool
+        lambda t: {"x": np.float32(t / 3), "n": np.int32(-t), "u": np.uint8(t)},
+        lambda t: {},
+        lambda t: {"x": np.float64(t), "flag": np.bool_(t % 2)},  # np.bool_: an object array
+        lambda t: {"nested": {"a": t}, "x": 1.5},
+        lambda t: {"n": np.int64(t), "x": np.float16(t)},
+        lambda t: {"vec": np.arange(3) + t},
+        lambda t: {"name": f"step {t}", "n": t},
+        lambda t: {f"k{i}": float(i + t) for i in range(20)},  # more keys than a row holds
+        lambda t: {"x": float(t), "n": t, "ok": True},
+    ]
+
+    def __init__(self, episode_length: int = 7, shift: int = 0) -> None:
+        super().__init__(episode_length)
+        self.shift = shift
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        obs, _ = super().reset(seed=seed, options=options)
+        return obs, {"reset_n": 1, "x": -1.0}
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = super().step(action)
+        t = self.count + self.shift + (int(self.np_random.integers(3)) if action else 0)
+        return obs, reward, terminated, truncated, self.INFOS[t % len(self.INFOS)](t)
+
+
+class PidInfoEnv(CountingEnv):
+    """Each step's info names its worker process: ``{"pid_<pid>": pid}``."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = super().step(action)
+        pid = os.getpid()
+        return obs, reward, terminated, truncated, {f"pid_{pid}": pid, "count": self.count}

@@ -1,0 +1,271 @@
+"""BOTH SIDES: per-step infos of plain numbers, as columns of the vector's shared memory.
+
+Most envs return an info of the same few numbers every step (HalfCheetah: four floats;
+ALE: three ints). Pickled, such an info costs the worker a pickle, the parent an unpickle,
+and the parent one ``VectorEnv._add_info`` per env, which together cost more than a MuJoCo
+step. Instead, for the items of a planned step (``framing.IS_INFO_COLUMNS``):
+
+- the worker (``ColumnWriter``) writes the values of an info whose values are all plain
+  numbers into its env's row of ``cells``, and the info's *schema* (keys and dtypes) as a
+  small number into ``schema_ids``. A schema is numbered per worker and sent to the parent
+  once, with the reply of the step that first uses it (``Reply.schemas``); a respawned worker
+  numbers afresh and sends its schemas again before it uses them;
+- the parent (``ColumnReader``) turns the rows of every env that answered this step into
+  Gymnasium's ``key`` + ``_key`` arrays, a few numpy operations per key for the whole vector.
+
+An info with anything else in it (a dict, an array, a string, a ``final_obs``, an np.bool_,
+which Gymnasium batches as objects), or more keys than a row has cells, is pickled as before.
+The arrays are exactly what ``_add_info`` builds: dtype ``type(value)``, zeros where the
+mask is False.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+MAX_CELLS = 16  # values per env and step; an info with more keys is pickled
+MAX_SCHEMAS = 255  # per worker; ids are uint8, 0 meaning "no info in the row"
+SCHEMA_DTYPE = np.dtype(np.uint8)
+CELL_DTYPE = np.dtype(np.float64)  # ints and bools go through an int64 view of the same cells
+
+_PLAIN = (int, float, bool)  # Gymnasium's own test: ``type(value) in [int, float, bool]``
+
+
+@dataclasses.dataclass(frozen=True)
+class InfoSchema:
+    """The keys of an info and the dtype Gymnasium gives each one's array."""
+
+    keys: tuple[Any, ...]
+    dtypes: tuple[np.dtype[Any], ...]
+
+    @property
+    def is_float(self) -> tuple[bool, ...]:
+        """Per key: its cell holds a float64 (else an int64)."""
+        return tuple(dtype.kind == "f" for dtype in self.dtypes)
+
+
+def schema_of(keys: tuple[Any, ...], types: tuple[type, ...]) -> InfoSchema | None:
+    """The schema of an info with these keys and value types, or None if it is not plain.
+
+    Plain values are those ``_add_info`` puts into a numeric array and a cell holds exactly:
+    ``int``, ``float``, ``bool`` and numpy's integers and floats of up to 64 bits but uint64.
+    """
+    if not keys or len(keys) > MAX_CELLS or "final_obs" in keys:
+        return None
+    dtypes = []
+    for kind in types:
+        if kind not in _PLAIN and not issubclass(kind, np.number):
+            return None
+        dtype = np.dtype(kind)
+        if dtype.kind not in "biuf" or dtype.itemsize > 8 or dtype == np.uint64:
+            return None
+        dtypes.append(dtype)
+    return InfoSchema(keys, tuple(dtypes))
+
+
+class ColumnWriter:
+    """WORKER SIDE: writes infos into the rows of the worker's envs, numbering schemas.
+
+    Args:
+        schema_ids: The vector's schema id per env (uint8).
+        cells: The vector's cells, shape ``(num_envs, MAX_CELLS)``, float64.
+    """
+
+    def __init__(self, schema_ids: np.ndarray, cells: np.ndarray) -> None:
+        """Start with no schema known."""
+        self._ids = schema_ids
+        self._floats = cells
+        self._ints = cells.view(np.int64)
+        # (keys, types) -> (id, columns, is_all_float, is_all_int), or None: not plain
+        self._known: dict[tuple[Any, ...], tuple[int, list[int], bool, bool] | None] = {}
+        self.pending: list[tuple[int, InfoSchema]] = []  # numbered, not yet sent
+
+    def write(self, env_index: int, info: dict[str, Any]) -> bool:
+        """Put ``info`` in the env's row; False (row cleared) if it must be pickled instead."""
+        values = list(info.values())
+        signature = (len(values), *info, *map(type, values))
+        if signature in self._known:
+            entry = self._known[signature]
+        else:
+            entry = self._learn(signature, len(values))
+        if entry is None:
+            self._ids[env_index] = 0
+            return False
+        schema_id, columns, is_all_float, is_all_int = entry
+        try:
+            if is_all_float:
+                self._floats[env_index, : len(values)] = values
+            elif is_all_int:
+                self._ints[env_index, : len(values)] = values
+            else:
+                for column, value in zip(columns, values, strict=True):
+                    if column > 0:
+                        self._floats[env_index, column - 1] = value
+                    else:
+                        self._ints[env_index, -column - 1] = value
+        except OverflowError:  # a Python int beyond int64
+            self._ids[env_index] = 0
+            return False
+        self._ids[env_index] = schema_id
+        return True
+
+    def clear(self, env_index: int) -> None:
+        """The env's info for this step is pickled, or empty: its row holds none."""
+        self._ids[env_index] = 0
+
+    def take_pending(self) -> list[tuple[int, InfoSchema]]:
+        """The schemas numbered since the last call, for the parent."""
+        pending, self.pending = self.pending, []
+        return pending
+
+    def _learn(
+        self, signature: tuple[Any, ...], count: int
+    ) -> tuple[int, list[int], bool, bool] | None:
+        keys, types = signature[1 : count + 1], signature[count + 1 :]
+        schema = schema_of(tuple(keys), tuple(types))
+        entry: tuple[int, list[int], bool, bool] | None = None
+        numbered = sum(1 for known in self._known.values() if known is not None)
+        if schema is not None and numbered < MAX_SCHEMAS:
+            is_float = schema.is_float
+            # +column+1 for a float cell, -(column+1) for an int cell: the sign picks the view
+            columns = [(c + 1) if f else -(c + 1) for c, f in enumerate(is_float)]
+            entry = (numbered + 1, columns, all(is_float), not any(is_float))
+            self.pending.append((numbered + 1, schema))
+        self._known[signature] = entry
+        return entry
+
+
+@dataclasses.dataclass(frozen=True)
+class _Known:
+    """A schema the parent has seen, with where each key's values are."""
+
+    schema: InfoSchema
+    columns: tuple[tuple[Any, int, bool, np.dtype[Any]], ...]  # key, cell, is_float, dtype
+
+
+class ColumnReader:
+    """PARENT SIDE: the schemas workers sent, and infos built from the rows of many envs.
+
+    Args:
+        schema_ids: The vector's schema id per env (uint8), as the workers wrote them.
+        cells: The vector's cells, shape ``(num_envs, MAX_CELLS)``, float64.
+        worker_of_env: Each env's worker index.
+    """
+
+    def __init__(
+        self, schema_ids: np.ndarray, cells: np.ndarray, worker_of_env: np.ndarray
+    ) -> None:
+        """Start with no schema known."""
+        self._ids = schema_ids
+        self._floats = cells
+        self._ints = cells.view(np.int64)
+        self._worker_of_env = worker_of_env.astype(np.intp)
+        num_workers = int(worker_of_env.max()) + 1 if worker_of_env.size else 1
+        self._global_of: dict[InfoSchema, int] = {}
+        self._known: list[_Known | None] = [None]  # by global id; 0 is "none"
+        # (worker, its id) -> global id; a respawned worker's ids overwrite its old ones
+        self._table = np.zeros((num_workers, MAX_SCHEMAS + 1), dtype=np.int32)
+
+    def register(self, worker_index: int, schemas: Sequence[tuple[int, InfoSchema]]) -> None:
+        """Note the schemas a worker numbered; it sends them before the rows that use them."""
+        for schema_id, schema in schemas:
+            global_id = self._global_of.get(schema)
+            if global_id is None:
+                global_id = self._global_of[schema] = len(self._known)
+                self._known.append(_Known(schema, _columns(schema)))
+            self._table[worker_index, schema_id] = global_id
+
+    def merge(
+        self, pickled: dict[int, dict[str, Any]], fresh: slice | np.ndarray, add_info: AddInfo
+    ) -> dict[str, Any]:
+        """The step's infos: the ``pickled`` ones (by env index) and the rows of envs ``fresh``.
+
+        ``fresh`` is ``slice(None)`` (every env) or an array of env indices; only envs whose
+        workers answered this step may be in it, as other rows are stale. ``add_info`` is
+        Gymnasium's ``_add_info`` for the vector's size.
+
+        The result is what ``add_info`` makes of every env's info in env order. Each key's
+        array is built at once from the rows, unless it meets the same key with another dtype
+        (which env comes first then decides the dtype); then every info goes through
+        ``add_info``, the rows made back into dicts.
+        """
+        local = self._ids[fresh]
+        if not local.any():
+            return _merge_in_order(pickled, add_info)
+        global_ids = self._table[self._worker_of_env[fresh], local]
+        size = len(self._ids)
+        first = int(global_ids[0])
+        if first and not pickled and isinstance(fresh, slice) and (global_ids == first).all():
+            # the usual step: every env, one schema; whole columns
+            known = self._known[first]
+            assert known is not None
+            infos: dict[str, Any] = {}
+            for key, cell, is_float, dtype in known.columns:
+                source = self._floats if is_float else self._ints
+                infos[key] = source[:, cell].astype(dtype)
+                infos[f"_{key}"] = np.ones(size, dtype=np.bool_)
+            return infos
+        rows_of_vector = np.arange(size)[fresh]
+        present = [
+            (known, rows_of_vector[global_ids == global_id])
+            for global_id in np.unique(global_ids[global_ids > 0]).tolist()
+            if (known := self._known[global_id]) is not None
+        ]
+        if _has_conflict(pickled, [known for known, _ in present]):
+            everything = dict(pickled)
+            for known, rows in present:
+                for row in rows.tolist():
+                    everything[row] = self._row_info(known, row)
+            return _merge_in_order(everything, add_info)
+        infos = _merge_in_order(pickled, add_info)
+        for known, rows in present:
+            for key, cell, is_float, dtype in known.columns:
+                source = self._floats if is_float else self._ints
+                array = infos.get(key)
+                if array is None:
+                    array = infos[key] = np.zeros(size, dtype=dtype)
+                    infos[f"_{key}"] = np.zeros(size, dtype=np.bool_)
+                array[rows] = source[rows, cell]
+                infos[f"_{key}"][rows] = True
+        return infos
+
+    def _row_info(self, known: _Known, row: int) -> dict[str, Any]:
+        """One env's info back as a dict, each value of the type the env gave."""
+        info = {}
+        for key, cell, is_float, dtype in known.columns:
+            value = (self._floats if is_float else self._ints)[row, cell]
+            info[key] = bool(value) if dtype.kind == "b" else dtype.type(value)
+        return info
+
+
+AddInfo = Callable[[dict[str, Any], dict[str, Any], int], dict[str, Any]]
+
+
+def _merge_in_order(infos_by_env: dict[int, dict[str, Any]], add_info: AddInfo) -> dict[str, Any]:
+    infos: dict[str, Any] = {}
+    for env_index in sorted(infos_by_env):
+        infos = add_info(infos, infos_by_env[env_index], env_index)
+    return infos
+
+
+def _has_conflict(pickled: dict[int, dict[str, Any]], present: Sequence[_Known]) -> bool:
+    """Whether a key of the rows also comes pickled, or from two schemas in two dtypes."""
+    dtype_of: dict[Any, np.dtype[Any]] = {}
+    for known in present:
+        for key, dtype in zip(known.schema.keys, known.schema.dtypes, strict=True):
+            if dtype_of.setdefault(key, dtype) != dtype:
+                return True
+    return any(key in dtype_of for info in pickled.values() for key in info)
+
+
+def _columns(schema: InfoSchema) -> tuple[tuple[Any, int, bool, np.dtype[Any]], ...]:
+    return tuple(
+        (key, cell, is_float, dtype)
+        for cell, (key, is_float, dtype) in enumerate(
+            zip(schema.keys, schema.is_float, schema.dtypes, strict=True)
+        )
+    )
