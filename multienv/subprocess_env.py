@@ -29,7 +29,7 @@ from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 from multienv.shm_link import open_subprocess_link
 from multienv.supervisor import WorkerSupervisor
-from multienv.worker_settings import WorkerSettings
+from multienv.worker_settings import WorkerSettings, check_spinners
 
 EnvFn = Callable[[], gym.Env[Any, Any]]
 
@@ -141,6 +141,10 @@ class SubprocessEnv(RemoteEnv):
             this process's environment wins; None leaves the worker's pools as they are.
         pin_cpu: Pin the worker to one CPU (worker w on the w-th CPU this process may use,
             round robin). Off by default; see docs/performance.rst for when it pays.
+        wait: "sleep" (default): the worker sleeps until its next request. "spin": hot
+            mode: after each answer it polls for the next request for 2 ms before it
+            sleeps, so its core stays awake, and each worker keeps a core busy. Refused
+            when the workers would outnumber the cores; see docs/performance.rst.
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class SubprocessEnv(RemoteEnv):
         daemon: bool = True,
         blas_threads: int | None = 1,
         pin_cpu: bool = False,
+        wait: str = "sleep",
     ) -> None:
         """Check the options and pickle ``env_fn``; no process is started yet."""
         supervisor = _supervise(
@@ -177,6 +182,7 @@ class SubprocessEnv(RemoteEnv):
             daemon=daemon,
             blas_threads=blas_threads,
             pin_cpu=pin_cpu,
+            wait=wait,
         )
         super().__init__(supervisor, 0)
 
@@ -190,6 +196,7 @@ def _supervise(
     daemon: bool = True,
     blas_threads: int | None = 1,
     pin_cpu: bool = False,
+    wait: str = "sleep",
     **supervisor_options: Any,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one worker's handle and supervisor.
@@ -199,7 +206,9 @@ def _supervise(
     """
     preload_names = _checked_preload(preload, f"env {first_env_index}")
     worker_number = first_env_index // max(1, len(env_fns))
-    settings = WorkerSettings.decide(blas_threads, pin_cpu, worker_number, first_env_index)
+    settings = WorkerSettings.decide(
+        blas_threads, pin_cpu, worker_number, first_env_index, wait=wait
+    )
 
     def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
         # After the options are checked and the factories pickled: may start the forkserver.
@@ -234,6 +243,12 @@ def create_subprocess_envs(
     """
     if "env_index" in options:
         raise TypeError("create_subprocess_envs() numbers the envs itself; do not pass env_index")
+    if (
+        not isinstance(envs_per_worker, bool)
+        and isinstance(envs_per_worker, int)
+        and envs_per_worker > 0
+    ):
+        check_spinners(options.get("wait", "sleep"), -(-len(env_fns) // envs_per_worker))
     return create_envs(
         env_fns,
         envs_per_worker,

@@ -103,7 +103,7 @@ def run_worker(
 
     is_closed_by_parent = False
     try:
-        _Loop(conn, runner).serve()
+        _Loop(conn, runner, settings.spin_s).serve()
         is_closed_by_parent = True
     except KeyboardInterrupt:
         pass
@@ -134,14 +134,15 @@ def _warm_up() -> None:
 class _Loop:
     """Answers requests one at a time; ``serve`` returns on CLOSE."""
 
-    def __init__(self, conn: Connection, runner: EnvRunner) -> None:
+    def __init__(self, conn: Connection, runner: EnvRunner, spin_s: float = 0.0) -> None:
         self.conn = conn
         self.fd = conn.fileno()
         self.runner = runner
         self.writer: SlotWriter | None = None  # set by ATTACH
+        self.spin_s = spin_s
 
     def serve(self) -> None:
-        read = MessageReader(self.fd).read
+        read = MessageReader(self.fd, self.spin_s).read
         while True:
             request = read()
             if request[0] == FAST_BATCH:

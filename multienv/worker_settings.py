@@ -1,4 +1,4 @@
-"""BOTH SIDES: a worker process's settings: BLAS/OpenMP threads and CPU pinning.
+"""BOTH SIDES: a worker process's settings: BLAS/OpenMP threads, CPU pinning, how it waits.
 
 Every worker that imports numpy or torch would start a full BLAS/OpenMP thread pool; with
 16 workers on 2 cores that oversubscription silently slows every step. So by default a
@@ -10,6 +10,11 @@ for the pools already loaded (the forkserver preloads numpy, whose pool is sized
 
 Pinning (``pin_cpu=True``, off by default) puts worker w on the w-th of the CPUs this
 process may use, round robin, with ``os.sched_setaffinity``.
+
+``wait="spin"`` (off by default) makes a worker poll its pipe for ``SPIN_S`` after each
+answer instead of sleeping at once, so its core stays awake for the next step: each worker
+keeps one core busy (the parent still sleeps). ``check_spinners`` refuses more spinning
+workers than the cores this process may use.
 """
 
 from __future__ import annotations
@@ -19,6 +24,25 @@ import os
 from collections.abc import Mapping
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+WAIT_MODES = ("sleep", "spin")
+SPIN_S = 0.002  # how long a hot worker polls for its next request before it sleeps
+
+
+def check_spinners(wait: str, num_workers: int, env_index: int = 0) -> None:
+    """Refuse ``wait="spin"`` when its spinning workers outnumber this process's cores.
+
+    The parent sleeps while the workers step, so it is not counted; but it needs a core
+    between steps too, which a spinner gives up at each poll (``os.sched_yield``).
+    """
+    if wait not in WAIT_MODES:
+        raise ValueError(f"env {env_index}: wait must be 'sleep' or 'spin', got {wait!r}")
+    cores = len(os.sched_getaffinity(0))
+    if wait == "spin" and num_workers > cores:
+        raise ValueError(
+            f"wait='spin' keeps one core busy per worker: {num_workers} workers, but this "
+            f"process may use {cores} core(s) (os.sched_getaffinity). Host more envs per "
+            f"worker (envs_per_worker >= N / {cores}) or use wait='sleep'."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +58,15 @@ class WorkerSettings:
             counts, or back to one thread per CPU when leaving it alone). Not needed in a
             worker forked from a forkserver that started with the same variables (its pools
             were born that size), where it would cost about 13 ms a worker.
+        spin_s: How long the worker polls for its next request before it sleeps; 0 (the
+            default) sleeps at once.
     """
 
     thread_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cpu: int | None = None
     unset: tuple[str, ...] = ()
     limit_pools: bool = True
+    spin_s: float = 0.0
 
     def for_fork_from(
         self, born_with: Mapping[str, str], environ: Mapping[str, str]
@@ -64,6 +91,7 @@ class WorkerSettings:
         worker_number: int,
         env_index: int,
         environ: Mapping[str, str] = os.environ,
+        wait: str = "sleep",
     ) -> WorkerSettings:
         """The settings of worker ``worker_number``, decided in the parent.
 
@@ -73,7 +101,9 @@ class WorkerSettings:
             worker_number: The worker's place among its vector's workers.
             env_index: The worker's first env, for messages.
             environ: The parent's environment: a thread variable set there wins.
+            wait: "sleep", or "spin" to keep the worker's core awake between steps.
         """
+        check_spinners(wait, 1, env_index)
         if blas_threads is not None and (
             not isinstance(blas_threads, int) or isinstance(blas_threads, bool) or blas_threads < 1
         ):
@@ -87,7 +117,7 @@ class WorkerSettings:
         if pin_cpu:
             cpus = sorted(os.sched_getaffinity(0))
             cpu = cpus[worker_number % len(cpus)]
-        return cls(thread_env, cpu)
+        return cls(thread_env, cpu, spin_s=SPIN_S if wait == "spin" else 0.0)
 
     def apply(self) -> None:
         """WORKER SIDE: set the variables, limit the loaded pools, pin the process."""

@@ -347,8 +347,15 @@ def implementations(n: int, workload: str = "cheap") -> list[str]:
         names += [f"PufferLib workers={w}" for w in (1, 2) if n % w == 0]
     names += [f"multienv k={k}" for k in sorted({1, max(1, n // 2), n})]
     names.append(f"multienv k={max(1, n // 2)} views")
+    names += [f"multienv k={k} spin" for k in spin_layouts(n)]
     names.append("multienv async k=1")
     return names
+
+
+def spin_layouts(n: int) -> list[int]:
+    """The envs per worker of hot-mode rows: as many workers as cores, and one worker."""
+    cores = len(os.sched_getaffinity(0))
+    return sorted({k for k in (-(-n // cores), n) if -(-n // k) <= cores})
 
 
 def run_implementation(
@@ -382,7 +389,9 @@ def run_implementation(
     if name == "multienv async k=1":
         return run_multienv_async(fns, steps, bank)
     k, _, variant = name.rpartition("=")[2].partition(" ")
-    options = {"copy": variant != "views", "pin_cpu": variant == "pinned"}
+    options: dict[str, Any] = {"copy": variant != "views", "pin_cpu": variant == "pinned"}
+    if variant == "spin":
+        options["wait"] = "spin"
     return run_vector(lambda: MultiEnv(fns, envs_per_worker=int(k), **options), steps, bank)
 
 
@@ -396,11 +405,16 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
     if args.only_multienv:  # the references, and multienv at k=1 and k=N/2
         kept = {"sequential loop", "gymnasium AsyncVectorEnv", "multienv k=1", "EnvPool"}
         kept.add(f"multienv k={max(1, n // 2)}")
+        kept.update(f"multienv k={k} spin" for k in spin_layouts(n))
         names = [name for name in names if name in kept]
     if args.pinned:
         names += [f"multienv k={k} pinned" for k in sorted({1, max(1, n // 2)})]
     if args.baseline:
-        names += [f"{name} @baseline" for name in names if name.startswith("multienv")]
+        names += [  # hot mode is new: the baseline has none
+            f"{name} @baseline"
+            for name in names
+            if name.startswith("multienv") and not name.endswith(" spin")
+        ]
     # Size a run so the sequential loop takes about args.seconds; parallel ones take less.
     vector_steps = max(20, int(single_rate * args.seconds / n))
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
@@ -599,12 +613,15 @@ def in_fresh_process(args: Args, child: str) -> Any:
 
     A child named ``... @baseline`` imports ``multienv`` from ``args.baseline`` instead.
     """
-    env = None
+    env, cwd = None, None
     if child.endswith(" @baseline"):
         child = child.removesuffix(" @baseline")
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline))
-    command = [sys.executable, __file__, "--child", child, "--kills", str(args.kills)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+        # Run from there too: a forkserver's workers find modules in its working directory.
+        cwd = os.path.abspath(args.baseline)
+        env = dict(os.environ, PYTHONPATH=cwd)
+    script = os.path.abspath(__file__)
+    command = [sys.executable, script, "--child", child, "--kills", str(args.kills)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

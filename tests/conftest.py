@@ -104,15 +104,19 @@ def ray_cluster():
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A backend and a number of envs per worker, as the contract suite runs them."""
+    """A backend, envs per worker and how workers wait, as the contract suite runs them."""
 
     backend: str
     k: int
+    wait: str = "sleep"
 
     @property
     def options(self) -> dict:
         """MultiEnv's keywords for this layout."""
-        return {"backend": self.backend, "envs_per_worker": self.k}
+        options = {"backend": self.backend, "envs_per_worker": self.k}
+        if self.wait != "sleep":
+            options["wait"] = self.wait
+        return options
 
     def cause(self, signal_name: str) -> str:
         """The cause a worker killed by ``signal_name`` is reported with."""

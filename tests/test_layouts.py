@@ -1,7 +1,8 @@
 """The MultiEnv contract for every layout and backend.
 
 Each test runs once per layout: on subprocesses with ``envs_per_worker`` 1, 3 and N (N=7,
-so that 3 does not divide it), and on Ray actors (a local cluster, started once per
+so that 3 does not divide it), in hot mode (``wait="spin"``) with 4 (two workers) and N,
+and on Ray actors (a local cluster, started once per
 session) with 3, and N where it matters, the way SB3 runs its VecEnv suite once per
 backend. The Ray layouts skip, saying why, when Ray is not installed. Ray with one env per
 actor is left to ``tests/test_ray_backend.py`` and the benchmark: seven actors per test
@@ -42,12 +43,15 @@ from tests.test_multi_env import run_side_by_side
 
 N = 7
 MODES = list(AutoresetMode)
-SUBPROCESS = [Layout("subprocess", k) for k in (1, 3, N)]
+SPINNING = [
+    Layout("subprocess", k, "spin") for k in (4, N) if -(-N // k) <= len(os.sched_getaffinity(0))
+]
+SUBPROCESS = [*(Layout("subprocess", k) for k in (1, 3, N)), *SPINNING]
 LAYOUTS = [*SUBPROCESS, Layout("ray", 3)]
 
 
 def _layout_id(layout: Layout) -> str:
-    return f"{layout.backend}-k{layout.k}"
+    return f"{layout.backend}-k{layout.k}" + ("-spin" if layout.wait == "spin" else "")
 
 
 layouts = pytest.mark.parametrize("layout", LAYOUTS, indirect=True, ids=_layout_id)
