@@ -23,7 +23,14 @@ import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
 from multienv.env_proxy import check_state
-from multienv.protocol import Command, EnvDescription, EnvSnapshot, PairResults, Pairs
+from multienv.protocol import (
+    Command,
+    EnvDescription,
+    EnvSnapshot,
+    PairResults,
+    Pairs,
+    pack_states,
+)
 
 if TYPE_CHECKING:
     from multienv.multi_env import MultiEnv
@@ -111,7 +118,7 @@ def step_batch(
         positions = worker.positions
         pairs = Pairs(
             [positions[n % len(positions)] for n in range(len(items))],
-            [checked[j] for j in items],
+            pack_states([checked[j] for j in items]),
             [action_list[j] for j in items],
             steps[items].tolist(),
         )
@@ -119,7 +126,7 @@ def step_batch(
         restarts_before.append(supervisor.stats.restarts)
         supervisor.send_request(positions[0], Command.STEP_PAIRS, pairs, int(steps[items].sum()))
     new_states: list[Any] = [None] * count
-    obs_list: list[Any] = [None] * count
+    share_obs: list[Any] = []  # each share's observations, in pair order
     rewards = np.zeros(count, dtype=np.float64)
     terminated = np.zeros(count, dtype=np.bool_)
     truncated = np.zeros(count, dtype=np.bool_)
@@ -136,7 +143,7 @@ def step_batch(
             errors[items[n]] = supervisor.env_error(failure, "step_batch", failure.position)
         span = slice(items[0], items[-1] + 1)  # a share is contiguous
         new_states[span] = results.snapshots
-        obs_list[span] = list(results.obs)
+        share_obs.append(results.obs)
         rewards[span] = results.rewards
         terminated[span] = results.terminated
         truncated[span] = results.truncated
@@ -154,8 +161,11 @@ def step_batch(
     if errors:
         raise errors[min(errors)]
     space = vec.single_observation_space
-    buffer: Any = create_empty_array(space, count)
-    obs = concatenate(space, obs_list, buffer)
+    if isinstance(space, gym.spaces.Box) and all(isinstance(o, np.ndarray) for o in share_obs):
+        obs: Any = np.concatenate(share_obs).astype(space.dtype, copy=False)  # workers stacked
+    else:
+        rows = [row for part in share_obs for row in part]
+        obs = concatenate(space, rows, create_empty_array(space, count))
     return new_states, obs, rewards, terminated, truncated, infos
 
 

@@ -335,15 +335,34 @@ class Pairs:
 
     Attributes:
         positions: Per pair, the worker's env to run it on.
-        snapshots: Per pair, the state to restore first, or None for the current one.
+        snapshots: Per pair, the state to restore first, or None for the current one; one
+            array when they are arrays of one shape and dtype (``pack_states``).
         actions: Per pair, the action, repeated.
         dts: Per pair, steps to repeat it for, stopping early at the episode's end.
     """
 
     positions: list[int]
-    snapshots: list[Any]
+    snapshots: list[Any] | np.ndarray
     actions: Any
     dts: list[int]
+
+
+def pack_states(states: list[Any]) -> list[Any] | np.ndarray:
+    """States as one array when they are numpy arrays of one shape and dtype, else as given.
+
+    One array pickles in one piece; a list of M arrays pays M headers and M object
+    rebuilds. Iterating either gives the states back (the array, by rows).
+    """
+    if len(states) < 2:
+        return states
+    first = states[0]
+    if not isinstance(first, np.ndarray) or first.dtype.hasobject:
+        return states
+    shape, dtype = first.shape, first.dtype
+    for state in states:
+        if type(state) is not np.ndarray or state.shape != shape or state.dtype != dtype:
+            return states
+    return np.stack(states)
 
 
 @dataclasses.dataclass
@@ -351,7 +370,8 @@ class PairResults:
     """What a share of pairs produced, column by column.
 
     Attributes:
-        snapshots: Per pair, the state reached (None where it failed).
+        snapshots: Per pair, the state reached (None where it failed); one array when they
+            are arrays of one shape and dtype (``pack_states``).
         obs: Per pair, the last observation: one stacked array when they fit, else a list.
         rewards: Per pair, the summed reward.
         terminated: Per pair, the last step's flag.
@@ -360,7 +380,7 @@ class PairResults:
         failures: By pair index, the env's exception.
     """
 
-    snapshots: list[Any]
+    snapshots: list[Any] | np.ndarray
     obs: Any
     rewards: list[float]
     terminated: list[bool]

@@ -32,6 +32,7 @@ from multienv.protocol import (
     RemoteFailure,
     Reply,
     Request,
+    pack_states,
 )
 
 ObsCheck = Callable[[Any], "str | None"]
@@ -246,6 +247,8 @@ class EnvRunner:
             results.terminated[j] = bool(terminated)
             results.truncated[j] = bool(truncated)
             results.infos[j] = info
+        if not results.failures:
+            results.snapshots = pack_states(list(results.snapshots))
         if not results.failures and all(isinstance(o, np.ndarray) for o in results.obs):
             try:
                 results.obs = np.stack(results.obs)  # one array pickles faster than many

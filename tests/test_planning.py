@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from multienv import EnvError, EnvSnapshot, MultiEnv
+from multienv.protocol import pack_states
 from tests.conftest import Layout
 from tests.envs import ArrayStateCartPole, CountingEnv, SlowReset, StatefulCartPole
 
@@ -233,3 +234,18 @@ def test_states_and_step_batch_on_ray(layout):
 
 class SlowArrayStateCartPole(SlowStepCartPole, ArrayStateCartPole):
     """A SlowStepCartPole whose state is one numpy array."""
+
+
+def test_states_of_one_shape_and_dtype_travel_as_one_array():
+    rows = [np.arange(3.0) + i for i in range(4)]
+    packed = pack_states(rows)
+    assert isinstance(packed, np.ndarray)
+    assert packed.shape == (4, 3)
+    for got, want in zip(packed, rows, strict=True):
+        np.testing.assert_array_equal(got, want)
+    mixed_dtype = [np.zeros(3), np.zeros(3, dtype=np.float32)]
+    mixed_shape = [np.zeros(3), np.zeros(4)]
+    with_none = [np.zeros(3), None]
+    objects = [np.array([{}], dtype=object)] * 2
+    for states in (mixed_dtype, mixed_shape, with_none, objects, [np.zeros(3)]):
+        assert pack_states(states) is states
