@@ -165,7 +165,8 @@ def step_batch(
         obs: Any = np.concatenate(share_obs).astype(space.dtype, copy=False)  # workers stacked
     else:
         rows = [row for part in share_obs for row in part]
-        obs = concatenate(space, rows, create_empty_array(space, count))
+        buffer: Any = create_empty_array(space, count)
+        obs = concatenate(space, rows, buffer)
     return new_states, obs, rewards, terminated, truncated, infos
 
 
