@@ -4,7 +4,6 @@ Run:
     python scripts/bench.py              # 6 cells (workload:N), 3 rounds (~20 min on 2 cores)
     python scripts/bench.py --quick      # cheap N=16 only, 1 round (~2 min)
     python scripts/bench.py --plot docs/bench.png   # chart the last run's bench-results.json
-    python scripts/bench.py --planning   # step_batch against a local loop (~1 min)
     python scripts/bench.py --baseline /tmp/old --only-multienv   # A/B against another
                                          # checkout (e.g. git worktree add /tmp/old HEAD~1)
     pip install -e ".[bench]"            # adds SB3 to the comparison (install torch's CPU
@@ -49,7 +48,6 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 from gymnasium.vector.utils import batch_space
 
 from multienv import MultiEnv, RestartPolicy, SubprocessEnv
@@ -68,7 +66,6 @@ class Args:
     baseline: str = ""  # a checkout of multienv: its multienv rows are measured too, interleaved
     only_multienv: bool = False  # only multienv at k=1 and k=N/2, the loop and AsyncVectorEnv
     pinned: bool = False  # also measure multienv at k=1 and k=N/2 with pin_cpu=True
-    planning: bool = False  # only step_batch: M=32 pairs, dt=5, CartPole array states
 
 
 # ----------------------------------------------------------------- workloads
@@ -595,91 +592,6 @@ MEMORY_LABELS = [
 RESPAWN_LABELS = ["multienv", "multienv, preload"]
 
 
-# ----------------------------------------------------------------- planning (step_batch)
-
-PLANNING_ROWS = ["local loop", "multienv 2 workers", "multienv 2 workers spin"]
-PLANNING_M, PLANNING_DT = 32, 5
-
-
-class ArrayStateCartPole(CartPoleEnv):
-    """CartPole whose state is one numpy array, as plangym's envs pass states around."""
-
-    def get_state(self) -> np.ndarray:
-        beyond = self.steps_beyond_terminated
-        return np.array([*self.state, -1 if beyond is None else beyond], dtype=np.float64)
-
-    def set_state(self, state: np.ndarray) -> None:
-        self.state = state[:4].copy()
-        self.steps_beyond_terminated = None if state[4] < 0 else int(state[4])
-
-
-def time_planning(row: str, seconds: float = 2.0) -> float:
-    """Pairs per second of ``step_batch`` (M pairs, each ``dt`` steps) for one row."""
-    env = ArrayStateCartPole()
-    env.reset(seed=0)
-    rng = np.random.default_rng(0)
-    states = []
-    for _ in range(PLANNING_M):  # M states along random rollouts
-        _, _, terminated, truncated, _ = env.step(int(rng.integers(2)))
-        if terminated or truncated:
-            env.reset()
-        states.append(env.get_state())
-    actions = rng.integers(2, size=PLANNING_M)
-    if row == "local loop":
-
-        def run() -> None:
-            for state, action in zip(states, actions.tolist(), strict=True):
-                env.set_state(state)
-                for _ in range(PLANNING_DT):
-                    _, _, terminated, truncated, _ = env.step(action)
-                    if terminated or truncated:
-                        break
-                env.get_state()
-
-        vec = None
-    else:
-        wait = "spin" if row.endswith("spin") else "sleep"
-        vec = MultiEnv([ArrayStateCartPole] * 2, wait=wait)
-        vec.reset(seed=0)
-
-        def run() -> None:
-            vec.step_batch(actions, states, PLANNING_DT)
-
-    for _ in range(20):
-        run()
-    count, began = 0, time.perf_counter()
-    while time.perf_counter() - began < seconds:
-        run()
-        count += 1
-    rate = count * PLANNING_M / (time.perf_counter() - began)
-    if vec is not None:
-        vec.close()
-    return rate
-
-
-def measure_planning(args: Args) -> dict[str, Any]:
-    """Every planning row, each sample in a fresh process, interleaved over rounds."""
-    samples: dict[str, list[float]] = {row: [] for row in PLANNING_ROWS}
-    for round_index in range(args.rounds):
-        for row in PLANNING_ROWS:
-            samples[row].append(in_fresh_process(args, f"planning:{row}")["pairs_per_s"])
-            print(
-                f"step_batch round {round_index + 1}: {row}: {samples[row][-1]:,.0f} pairs/s",
-                file=sys.stderr,
-                flush=True,
-            )
-    print(f"\nstep_batch, M={PLANNING_M} pairs, dt={PLANNING_DT}, CartPole with array states")
-    print(f"{'row':<26}{'pairs/s':>10}{'x loop':>8}")
-    rows = {}
-    for row, rates in samples.items():
-        ratio = statistics.median(
-            rate / loop for rate, loop in zip(rates, samples["local loop"], strict=True)
-        )
-        rows[row] = {"pairs_per_s": statistics.median(rates), "x_loop": ratio}
-        print(f"{row:<26}{statistics.median(rates):>10,.0f}{ratio:>8.2f}")
-    return rows
-
-
 def run_child(args: Args) -> int:
     """One measurement in this fresh process (a forkserver starts once per process)."""
     kind, _, rest = args.child.partition(":")
@@ -691,8 +603,7 @@ def run_child(args: Args) -> int:
         print(json.dumps({"steps_per_s": rate, "cores_busy": timer.cores_busy}))
     elif kind == "memory":
         print(json.dumps(measure_memory(rest)))
-    elif kind == "planning":
-        print(json.dumps({"pairs_per_s": time_planning(rest)}))
+
     else:
         print(json.dumps(time_respawns(args.kills, preload_for(rest))))
     return 0
@@ -747,10 +658,6 @@ def main(args: Args) -> int:
     if args.plot:
         plot(args.json_out, args.plot)
         print(f"wrote {args.plot} from {args.json_out}")
-        return 0
-    if args.planning:
-        with open(args.json_out, "w") as f:
-            json.dump({"args": dataclasses.asdict(args), "planning": measure_planning(args)}, f)
         return 0
     cells = args.cells.split(",")
     if args.quick:

@@ -2,13 +2,16 @@
 
 Run:
     python scripts/bench_planning.py             # M in {8, 32, 128}, dt=5, 2 workers, 3 rounds
+    python scripts/bench_planning.py --sizes 32  # the issue's cell only
 
 A planner's unit of work is a pair: restore a state, repeat an action ``dt`` times, keep
 the state reached. The local loop does that for M pairs in this process; multienv spreads
-them over its workers, one request per worker. Two envs: CartPole with ``get_state`` /
-``set_state`` (the planning convention, a few numbers per state), and plain
-``gym.make("CartPole-v1")``, whose state is the whole env pickled. Rounds are interleaved;
-each ratio is the median of the ratios within one round.
+them over its workers, one request per worker, with its workers sleeping between calls
+(the default) and in hot mode (``wait="spin"``). Three envs: CartPole with ``get_state`` /
+``set_state`` (the planning convention, a few numbers per state), the same with each state
+one numpy array (as plangym passes them: a share's states then travel as one array), and
+plain ``gym.make("CartPole-v1")``, whose state is the whole env pickled. Rounds are
+interleaved; each ratio is the median of the ratios within one round.
 """
 
 from __future__ import annotations
@@ -54,8 +57,22 @@ class PlanningCartPole(CartPoleEnv):
         self.state = np.array(physics, dtype=np.float64)
 
 
+class ArrayStateCartPole(PlanningCartPole):
+    """Its state is one float64 array: the physics, ``steps_beyond_terminated`` and ``t``."""
+
+    def get_state(self) -> np.ndarray:  # type: ignore[override]
+        beyond = -1 if self.steps_beyond_terminated is None else self.steps_beyond_terminated
+        return np.array([*self.state, beyond, self.t], dtype=np.float64)
+
+    def set_state(self, state: np.ndarray) -> None:  # type: ignore[override]
+        self.state = state[:4].copy()
+        self.steps_beyond_terminated = None if state[4] < 0 else int(state[4])
+        self.t = int(state[5])
+
+
 ENVS: dict[str, Callable[[], gym.Env]] = {
     "CartPole get_state": PlanningCartPole,
+    "CartPole array state": ArrayStateCartPole,
     "CartPole pickled": functools.partial(gym.make, "CartPole-v1"),
 }
 
@@ -105,19 +122,27 @@ def multienv_pairs_per_s(envs: MultiEnv, m: int, dt: int, seconds: float) -> flo
 def main(args: Args) -> int:
     sizes = [int(m) for m in args.sizes.split(",")]
     for name, factory in ENVS.items():
-        with MultiEnv([factory] * args.workers) as envs:
+        with (
+            MultiEnv([factory] * args.workers) as envs,
+            MultiEnv([factory] * args.workers, wait="spin") as hot,
+        ):
             envs.reset(seed=0)
+            hot.reset(seed=0)
             print(f"\n{name}, dt={args.dt}, {args.workers} workers")
-            print(f"{'M':>5}{'local pairs/s':>16}{'multienv pairs/s':>19}{'x local':>9}")
+            print(
+                f"{'M':>5}{'local pairs/s':>16}{'multienv':>10}{'x local':>9}{'spin':>10}{'x local':>9}"
+            )
             for m in sizes:
-                local, ours = [], []
+                local, ours, spun = [], [], []
                 for _ in range(args.rounds):
                     local.append(local_pairs_per_s(factory, m, args.dt, args.seconds))
                     ours.append(multienv_pairs_per_s(envs, m, args.dt, args.seconds))
+                    spun.append(multienv_pairs_per_s(hot, m, args.dt, args.seconds))
                 ratio = statistics.median(o / lo for o, lo in zip(ours, local, strict=True))
+                hot_ratio = statistics.median(o / lo for o, lo in zip(spun, local, strict=True))
                 print(
-                    f"{m:>5}{statistics.median(local):>16,.0f}{statistics.median(ours):>19,.0f}"
-                    f"{ratio:>9.2f}",
+                    f"{m:>5}{statistics.median(local):>16,.0f}{statistics.median(ours):>10,.0f}"
+                    f"{ratio:>9.2f}{statistics.median(spun):>10,.0f}{hot_ratio:>9.2f}",
                     flush=True,
                 )
     return 0
