@@ -129,9 +129,9 @@ def main(args: Args) -> int:
             envs.reset(seed=0)
             hot.reset(seed=0)
             print(f"\n{name}, dt={args.dt}, {args.workers} workers")
-            print(
-                f"{'M':>5}{'local pairs/s':>16}{'multienv':>10}{'x local':>9}{'spin':>10}{'x local':>9}"
-            )
+            columns = [("M", 5), ("local pairs/s", 16), ("multienv", 10), ("x local", 9)]
+            columns += [("spin", 10), ("x local", 9)]
+            print("".join(f"{title:>{width}}" for title, width in columns))
             for m in sizes:
                 local, ours, spun = [], [], []
                 for _ in range(args.rounds):
