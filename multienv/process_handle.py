@@ -250,7 +250,7 @@ class ProcessHandle:
                 shared.actions[env_ids] = batch.actions
             else:
                 steps = ~is_reset
-                shared.actions[np.arange(shared.slot.size)[env_ids][steps]] = np.asarray(
+                shared.actions[np.arange(shared.num_envs)[env_ids][steps]] = np.asarray(
                     batch.actions
                 )[steps]
         self._seq = self._notify_seq = self._seq % 255 + 1
@@ -320,7 +320,7 @@ class ProcessHandle:
                     for item in range(len(batch.positions))
                 ]
             )
-            shared.move_to(np.arange(shared.slot.size)[env_ids][ok], self._batch_slots[ok])
+            shared.move_to(np.arange(shared.num_envs)[env_ids][ok], self._batch_slots[ok])
         else:
             shared.move_to(env_ids, self._batch_slots)
         return result

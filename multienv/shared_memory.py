@@ -46,6 +46,7 @@ _ARRAY_SPACES = (
     gym.spaces.MultiDiscrete,
 )
 _ALIGN = 64  # bytes; each array starts on its own cache line
+_ALL = slice(None)
 Path = tuple[Any, ...]
 
 
@@ -187,7 +188,12 @@ class SharedBatch:
         self.fd: int | None = os.memfd_create("multienv-batch", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.layout.size)
         self._mapping = _Mapping(self.layout, self.fd)
-        self.slot = np.zeros(num_envs, dtype=np.int8)  # the slot holding each env's last obs
+        self._slot = np.zeros(num_envs, dtype=np.int8)  # the slot holding each env's last obs
+        self.num_envs = num_envs
+        self._same_slot: int | None = 0  # the slot of every env, when they are all on one
+        self._whole = (np.zeros(num_envs, dtype=np.int8), np.ones(num_envs, dtype=np.int8))
+        for slots in self._whole:
+            slots.flags.writeable = False
         num_workers = sum(len(group) for group in worker_groups)
         self.infos = ColumnReader(
             self._mapping.info_schema,
@@ -208,12 +214,29 @@ class SharedBatch:
 
     def next_slots(self, env_ids: Any) -> np.ndarray:
         """The slot each env's next observation goes to: never the one the caller saw last."""
-        slots: np.ndarray = 1 - self.slot[env_ids]
+        if self._same_slot is not None and isinstance(env_ids, slice) and env_ids == _ALL:
+            return self._whole[1 - self._same_slot]  # the usual step: no arithmetic
+        slots: np.ndarray = 1 - self._slot[env_ids]
         return slots
+
+    def has_same_slot(self) -> bool:
+        """Whether every env is known to be on one slot (then ``next_slots`` is shared)."""
+        return self._same_slot is not None
 
     def move_to(self, env_ids: Any, slots: np.ndarray) -> None:
         """These envs' observations are in ``slots`` now: their batch came back clean."""
-        self.slot[env_ids] = slots
+        self._slot[env_ids] = slots
+        if isinstance(env_ids, slice) and env_ids == _ALL and slots is self._whole[slots[0]]:
+            self._same_slot = int(slots[0])
+        else:
+            self._same_slot = None  # observations() finds out again
+
+    @property
+    def slot(self) -> np.ndarray:
+        """The slot holding each env's last observation (read-only; ``move_to`` moves)."""
+        view = self._slot.view()
+        view.flags.writeable = False
+        return view
 
     def done_read(self, worker_index: int) -> int:
         """The read end of the done pipe of that worker's group."""
@@ -254,7 +277,7 @@ class SharedBatch:
 
     def read(self, env_index: int) -> Any:
         """A copy of the observation that env is on (its current slot)."""
-        slot = int(self.slot[env_index])
+        slot = int(self._slot[env_index])
         arrays = {path: array[slot, env_index].copy() for path, array in self._mapping.obs.items()}
         return _assemble(self.layout.observation_space, arrays)
 
@@ -264,17 +287,20 @@ class SharedBatch:
         For all envs, envs left on the other slot (by a masked reset, a crash or partial
         batches) are copied over first, so the result is one slot, without copying the rest.
         """
-        mapping, slot = self._mapping, self.slot
+        mapping, slot = self._mapping, self._slot
         if env_ids is not None:
             ids = np.asarray(env_ids, dtype=np.intp)
             arrays = {path: array[slot[ids], ids] for path, array in mapping.obs.items()}
             return _assemble(self.layout.observation_space, arrays)
-        target = int(2 * int(slot.sum()) > slot.size)  # the slot most envs are on
-        behind = np.flatnonzero(slot != target)
-        if behind.size:
-            for array in mapping.obs.values():
-                array[target, behind] = array[1 - target, behind]
-            slot[behind] = target
+        target = self._same_slot
+        if target is None:
+            target = int(2 * int(slot.sum()) > slot.size)  # the slot most envs are on
+            behind = np.flatnonzero(slot != target)
+            if behind.size:
+                for array in mapping.obs.values():
+                    array[target, behind] = array[1 - target, behind]
+                slot[behind] = target
+            self._same_slot = target
         if copy:
             arrays = {path: array[target].copy() for path, array in mapping.obs.items()}
         else:

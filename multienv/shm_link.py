@@ -83,6 +83,7 @@ class SubprocessLink:
         # Planned steps need env e at position e - first of its worker, workers in order.
         flat = [i for indices in env_indices for i in indices]
         self._plan_items: np.ndarray | None = None  # reused by every planned step
+        self._plain_steps: dict[tuple[int, bool], bytes] = {}  # (slot, autoreset): items
         if self._shared is not None and flat == list(range(num_envs)):
             self._plan_items = np.zeros(num_envs, dtype=framing.ITEM_DTYPE)
             self._plan_items["position"] = [
@@ -152,12 +153,20 @@ class SubprocessLink:
             return None
         if actions.dtype != shared.actions.dtype:  # the envs get the values as given
             return None
+        slots = shared.next_slots(slice(None))
         if not np.count_nonzero(is_reset):
             shared.actions[:] = actions
-        else:
-            steps = ~is_reset
-            shared.actions[steps] = actions[steps]
-        slots = shared.next_slots(slice(None))
+            # Every env steps, all from one slot: the same bytes as the last such step.
+            key = (int(slots[0]), autoreset) if shared.has_same_slot() else None
+            encoded = self._plain_steps.get(key) if key is not None else None
+            if encoded is None:
+                flags = framing.item_flags(is_reset, slots, autoreset, info_columns=True)
+                encoded = framing.encode_items(None, flags, out=items)
+                if key is not None:
+                    self._plain_steps[key] = encoded
+            return StepPlan(actions, is_reset, autoreset, framing.PlannedItems(encoded, slots))
+        steps = ~is_reset
+        shared.actions[steps] = actions[steps]
         flags = framing.item_flags(is_reset, slots, autoreset, info_columns=True)
         encoded = framing.encode_items(None, flags, out=items)
         return StepPlan(actions, is_reset, autoreset, framing.PlannedItems(encoded, slots))
@@ -166,7 +175,8 @@ class SubprocessLink:
         """Move ``index`` of a clean plan to its new slots; views of its rewards and flags."""
         shared = self._shared
         assert shared is not None
-        shared.move_to(index, plan.wire.slots[index])
+        slots = plan.wire.slots
+        shared.move_to(index, slots if index == slice(None) else slots[index])
         flags = shared.flags
         return shared.rewards[index], flags[0, index], flags[1, index]
 

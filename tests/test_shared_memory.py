@@ -71,7 +71,7 @@ def test_worker_rows_round_trip_to_the_parent(shared: SharedBatch) -> None:
 
 
 def test_next_slot_is_never_the_one_the_caller_saw(shared: SharedBatch) -> None:
-    shared.slot[:] = [0, 1, 0, 1]
+    shared.move_to(np.array([1, 3]), np.ones(2, dtype=np.int8))
     assert shared.next_slots(slice(None)).tolist() == [1, 0, 1, 0]
     shared.move_to(np.array([1, 2]), np.array([0, 1], dtype=np.int8))
     assert shared.slot.tolist() == [0, 0, 1, 1]
@@ -94,3 +94,25 @@ def test_actions_written_by_the_parent_are_read_by_the_worker(shared: SharedBatc
     assert np.allclose(writer.read_actions([1, 0]), [[1.0, 0.0], [0.25, -0.5]])
     assert DONE_RECORD.size == 4
     del writer
+
+
+def test_a_whole_vector_step_and_a_partial_one_both_return_the_newest_observations(
+    shared: SharedBatch,
+) -> None:
+    writers = [writer_for(shared, 0, [0, 1]), writer_for(shared, 1, [2, 3])]
+    first = [_OBS.sample() for _ in range(4)]
+    slots = shared.next_slots(slice(None))
+    for env_index, obs in enumerate(first):
+        writers[env_index // 2].write_obs(env_index % 2, int(slots[env_index]), obs)
+    shared.move_to(slice(None), slots)  # every env, clean: all on the other slot now
+    got = shared.observations(copy=True)
+    np.testing.assert_array_equal(got["image"], np.stack([o["image"] for o in first]))
+    second = _OBS.sample()
+    partial = shared.next_slots(slice(2, 3))
+    writers[1].write_obs(0, int(partial[0]), second)
+    shared.move_to(slice(2, 3), partial)  # env 2 alone: its slot differs from the others'
+    got = shared.observations(copy=True)
+    np.testing.assert_array_equal(got["image"][2], second["image"])
+    np.testing.assert_array_equal(got["image"][0], first[0]["image"])
+    assert len(set(shared.slot.tolist())) == 1
+    del writers
