@@ -22,6 +22,7 @@ mask is False.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -165,6 +166,7 @@ class ColumnReader:
         self._ints = cells.view(np.int64)
         self._worker_of_env = worker_of_env.astype(np.intp)
         num_workers = int(worker_of_env.max()) + 1 if worker_of_env.size else 1
+        self._lock = threading.Lock()
         self._global_of: dict[InfoSchema, int] = {}
         self._known: list[_Known | None] = [None]  # by global id; 0 is "none"
         # (worker, its id) -> global id; a respawned worker's ids overwrite its old ones
@@ -172,12 +174,13 @@ class ColumnReader:
 
     def register(self, worker_index: int, schemas: Sequence[tuple[int, InfoSchema]]) -> None:
         """Note the schemas a worker numbered; it sends them before the rows that use them."""
-        for schema_id, schema in schemas:
-            global_id = self._global_of.get(schema)
-            if global_id is None:
-                global_id = self._global_of[schema] = len(self._known)
-                self._known.append(_Known(schema, _columns(schema)))
-            self._table[worker_index, schema_id] = global_id
+        with self._lock:  # the collecting threads of several slices may register at once
+            for schema_id, schema in schemas:
+                global_id = self._global_of.get(schema)
+                if global_id is None:
+                    global_id = self._global_of[schema] = len(self._known)
+                    self._known.append(_Known(schema, _columns(schema)))
+                self._table[worker_index, schema_id] = global_id
 
     def merge(
         self, pickled: dict[int, dict[str, Any]], fresh: slice | np.ndarray, add_info: AddInfo

@@ -115,14 +115,13 @@ def _shared_of(writer: ColumnWriter):
 
 
 @pytest.mark.parametrize("mode", list(AutoresetMode), ids=lambda m: m.value)
-@pytest.mark.parametrize("envs_per_worker", [1, 3])
-def test_vector_infos_match_sync_vector_env_for_every_info_shape(mode, envs_per_worker):
-    assert (
-        run_side_by_side(
-            VaryingInfoEnv, mode, steps=120, num_envs=6, envs_per_worker=envs_per_worker
-        )
-        > 10
-    )
+@pytest.mark.parametrize(
+    "layout",
+    [{"envs_per_worker": 1}, {"envs_per_worker": 3}, {"envs_per_worker": 2, "num_threads": 3}],
+    ids=["k1", "k3", "k2-3threads"],
+)
+def test_vector_infos_match_sync_vector_env_for_every_info_shape(mode, layout):
+    assert run_side_by_side(VaryingInfoEnv, mode, steps=120, num_envs=6, **layout) > 10
 
 
 def test_plain_infos_take_the_columns_not_the_pipe():
