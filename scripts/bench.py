@@ -4,6 +4,7 @@ Run:
     python scripts/bench.py              # 6 cells (workload:N), 3 rounds (~20 min on 2 cores)
     python scripts/bench.py --quick      # cheap N=16 only, 1 round (~2 min)
     python scripts/bench.py --plot docs/bench.png   # chart the last run's bench-results.json
+    python scripts/bench.py --memory --cells halfcheetah:64,pong:64   # MiB per env
     python scripts/bench.py --baseline /tmp/old --only-multienv   # A/B against another
                                          # checkout (e.g. git worktree add /tmp/old HEAD~1)
     pip install -e ".[bench]"            # adds SB3 to the comparison (install torch's CPU
@@ -65,6 +66,7 @@ class Args:
     plot: str = ""  # draw the throughput of json_out as a PNG at this path, and exit
     baseline: str = ""  # a checkout of multienv: its multienv rows are measured too, interleaved
     only_multienv: bool = False  # only multienv at k=1 and k=N/2, the loop and AsyncVectorEnv
+    memory: bool = False  # only memory: PSS of every implementation, for --cells
     pinned: bool = False  # also measure multienv at k=1 and k=N/2 with pin_cpu=True
 
 
@@ -214,7 +216,13 @@ def busy_jiffies() -> tuple[int, int]:
 
 
 class Timer:
-    """Wall time and cores busy (machine-wide, from /proc/stat) over a timed section."""
+    """Wall time and cores busy (machine-wide, from /proc/stat) over a timed section.
+
+    With ``measure_memory`` set (a memory sample), it also takes the PSS of this process and
+    all its descendants as the section ends, while the implementation is still running.
+    """
+
+    measure_memory = False
 
     def __enter__(self) -> Timer:
         self.busy0, self.total0 = busy_jiffies()
@@ -226,6 +234,7 @@ class Timer:
         busy, total = busy_jiffies()
         cores = os.cpu_count() or 1
         self.cores_busy = cores * (busy - self.busy0) / max(1, total - self.total0)
+        self.pss_mib = tree_pss_mib() if self.measure_memory else 0.0
 
 
 def run_loop(fns: list[Callable[[], gym.Env]], vector_steps: int, bank: list[Any]) -> Timer:
@@ -582,6 +591,60 @@ def measure_memory(label: str, n: int = 16) -> dict[str, float]:
         envs.close()
 
 
+def tree_pss_mib(root: int | None = None) -> float:
+    """PSS of a process and all its descendants, in MiB: shared pages count once in all."""
+    root = os.getpid() if root is None else root
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except OSError:
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    total_kb, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total_kb += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except OSError:
+            continue
+    return total_kb / 1024
+
+
+def bare_pss_mib(workload: str) -> float:
+    """PSS of a process that imported what a contender imports, with no env running."""
+    env = WORKLOADS[workload][0]()
+    env.close()
+    del env
+    return tree_pss_mib()
+
+
+def measure_tree_memory(args: Args, workload: str, n: int) -> dict[str, Any]:
+    """Every implementation's PSS after construct, reset and 200 steps, fresh processes."""
+    bare = in_fresh_process(args, f"bare:{workload}")["pss_mib"]
+    # Hot mode uses the memory of its layout. SB3's workers each import torch (180 MiB per
+    # env for the cheap cell at N=8), too much to start 64 of on a small machine.
+    names = [
+        name
+        for name in implementations(n, workload)
+        if not name.endswith(" spin") and not (name.startswith("SB3") and n > 16)
+    ]
+    rows: dict[str, Any] = {}
+    print(f"\n{workload}, N={n}: PSS of the process and its children after 200 steps")
+    print(f"{'implementation':<28}{'total MiB':>10}{'MiB per env':>13}")
+    for name in names:
+        sample = in_fresh_process(args, f"memory-tree:{workload}:{n}:{name}")
+        per_env = (sample["pss_mib"] - bare) / n
+        rows[name] = {"total_mib": sample["pss_mib"], "per_env_mib": per_env}
+        print(f"{name:<28}{sample['pss_mib']:>10.1f}{per_env:>13.1f}", flush=True)
+    rows["bare parent"] = {"total_mib": bare}
+    return rows
+
+
 MEMORY_LABELS = [
     "gymnasium AsyncVectorEnv",
     "multienv k=1",
@@ -603,6 +666,14 @@ def run_child(args: Args) -> int:
         print(json.dumps({"steps_per_s": rate, "cores_busy": timer.cores_busy}))
     elif kind == "memory":
         print(json.dumps(measure_memory(rest)))
+    elif kind == "memory-tree":
+        workload, n, name = rest.split(":", 2)
+        Timer.measure_memory = True
+        fns = [WORKLOADS[workload][0]] * int(n)
+        timer = run_implementation(name, workload, fns, 200)
+        print(json.dumps({"pss_mib": timer.pss_mib}))
+    elif kind == "bare":
+        print(json.dumps({"pss_mib": bare_pss_mib(rest)}))
 
     else:
         print(json.dumps(time_respawns(args.kills, preload_for(rest))))
@@ -660,6 +731,14 @@ def main(args: Args) -> int:
         print(f"wrote {args.plot} from {args.json_out}")
         return 0
     cells = args.cells.split(",")
+    if args.memory:
+        memory_rows = {}
+        for cell in cells:
+            workload, _, n = cell.partition(":")
+            memory_rows[cell] = measure_tree_memory(args, workload, int(n))
+        with open(args.json_out, "w") as f:
+            json.dump({"args": dataclasses.asdict(args), "memory": memory_rows}, f, indent=1)
+        return 0
     if args.quick:
         cells, args.rounds = ["cheap:16"], 1
     results: dict[str, Any] = {"args": dataclasses.asdict(args), "throughput": {}}
