@@ -633,6 +633,8 @@ def measure_tree_memory(args: Args, workload: str, n: int) -> dict[str, Any]:
         for name in implementations(n, workload)
         if not name.endswith(" spin") and not (name.startswith("SB3") and n > 16)
     ]
+    if n > 8 and "multienv k=8" not in names:  # the layout of the memory issue
+        names.insert(names.index("multienv k=1") + 1, "multienv k=8")
     rows: dict[str, Any] = {}
     print(f"\n{workload}, N={n}: PSS of the process and its children after 200 steps")
     print(f"{'implementation':<28}{'total MiB':>10}{'MiB per env':>13}")
