@@ -63,3 +63,42 @@ def test_messages_round_trip_through_a_socket_whatever_their_size() -> None:
         with pytest.raises(EOFError):
             framing.MessageReader(right.fileno()).read()
         right.close()
+
+
+def _thread_state(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+@pytest.mark.parametrize(("spin_s", "expected"), [(5.0, "R"), (0.0, "S")])
+def test_a_spinning_reader_stays_runnable_while_it_waits_and_a_plain_one_sleeps(
+    spin_s: float, expected: str
+) -> None:
+    """Hot mode's wait: the reader polls (runnable, yielding) rather than blocking in read."""
+    ours, theirs = socket.socketpair()
+    reader = framing.MessageReader(ours.fileno(), spin_s=spin_s)
+    got: list[bytes] = []
+    native_id: list[int] = []
+
+    def read() -> None:
+        native_id.append(threading.get_native_id())
+        got.append(reader.read())
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    try:
+        while not native_id:
+            threading.Event().wait(0.001)
+        states = []
+        for _ in range(20):
+            threading.Event().wait(0.005)
+            states.append(_thread_state(native_id[0]))
+        # A spinning thread is runnable whether or not it holds a core; a sleeping one is
+        # in S. Allow a few samples of the other state (a switch caught mid-way).
+        assert states.count(expected) >= 15, states
+        theirs.sendall(framing.frame(b"done"))
+        thread.join(5.0)
+        assert got == [b"done"]
+    finally:
+        ours.close()
+        theirs.close()
