@@ -176,7 +176,8 @@ class SubprocessLink:
         shared = self._shared
         assert shared is not None
         slots = plan.wire.slots
-        shared.move_to(index, slots if index == slice(None) else slots[index])
+        is_all = isinstance(index, slice) and index == slice(None)
+        shared.move_to(index, slots if is_all else slots[index])
         flags = shared.flags
         return shared.rewards[index], flags[0, index], flags[1, index]
 
