@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 
-from multienv import framing
+from multienv import framing, module_server
 from multienv.framing import DONE_OK, MessageReader, decode, encode, frame, write_frame
 from multienv.handles import Death
 from multienv.process_launch import LinkPayload, Standby, WorkerRecipe, attach, poll_ms
@@ -155,6 +155,8 @@ class ProcessHandle:
             ready, self._ready_reply = self._ready_reply, None
             return ready
         reply = self._receive(deadline)
+        if isinstance(reply, Reply) and reply.failure is None and reply.modules:
+            module_server.learn(self._recipe.context, reply.modules, self._recipe.is_probe)
         if isinstance(reply, Reply) and reply.failure is None and self._shared is not None:
             death = self.join_link(deadline)
             if death is not None:

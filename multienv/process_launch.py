@@ -24,7 +24,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import send_handle
 from typing import Any
 
-from multienv import framing
+from multienv import framing, module_server
 from multienv.framing import MessageReader, decode, encode
 from multienv.handles import Death
 from multienv.process_reaper import PIPE_ERRORS, stop_process
@@ -66,6 +66,8 @@ class WorkerRecipe:
         env_index: The index of the worker's first env, for names and messages.
         daemon: Start the worker as a daemon process.
         settings: Threads and CPU pinning for the worker process.
+        is_probe: The first worker of a vector whose other workers wait for its envs: the
+            modules they import start the module server before the others are launched.
     """
 
     context: BaseContext
@@ -73,28 +75,14 @@ class WorkerRecipe:
     env_index: int
     daemon: bool = True
     settings: WorkerSettings = dataclasses.field(default_factory=WorkerSettings)
+    is_probe: bool = False
 
     def launch(self) -> Launched:
-        """Start the process and the thread that forwards its stderr."""
+        """Start the process (from the module server when one runs) and its stderr pump."""
         parent_conn, child_conn = self.context.Pipe()
         stderr_read, stderr_write = self.context.Pipe(duplex=False)
-        is_forkserver = self.context.get_start_method() == "forkserver"
-        process = self.context.Process(  # type: ignore[attr-defined]
-            target=worker_main,
-            args=(
-                child_conn,
-                stderr_write,
-                list(self.env_fn_bytes),
-                self.env_index,
-                os.getpid(),
-                is_forkserver,
-                self.settings,
-            ),
-            name=f"multienv-worker-{self.env_index}",
-            daemon=self.daemon,
-        )
         try:
-            process.start()
+            process = self._start(child_conn, stderr_write)
         finally:
             child_conn.close()
             stderr_write.close()
@@ -110,6 +98,37 @@ class WorkerRecipe:
         return Launched(
             process, parent_conn, MessageReader(parent_conn.fileno()), stderr_tail, stderr_pump
         )
+
+    def _start(self, child_conn: Connection, stderr_write: Connection) -> Any:
+        """Fork the worker from the module server if one runs, else start it from the context."""
+        name = f"multienv-worker-{self.env_index}"
+        is_forkserver = self.context.get_start_method() == "forkserver"
+        # Daemon workers only: a served worker cannot start processes of its own.
+        server = module_server.running() if self.daemon and is_forkserver else None
+        if server is not None:
+            args = module_server.WorkerArgs(
+                list(self.env_fn_bytes), self.env_index, os.getpid(), self.settings
+            )
+            try:
+                return server.launch(child_conn, stderr_write, args, name)
+            except OSError as exc:  # the server died: the forkserver still works
+                logger.warning("env %d: module server failed (%s); forkserver", self.env_index, exc)
+        process = self.context.Process(  # type: ignore[attr-defined]
+            target=worker_main,
+            args=(
+                child_conn,
+                stderr_write,
+                list(self.env_fn_bytes),
+                self.env_index,
+                os.getpid(),
+                is_forkserver,
+                self.settings,
+            ),
+            name=name,
+            daemon=self.daemon,
+        )
+        process.start()
+        return process
 
 
 class Standby:

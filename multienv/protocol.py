@@ -50,11 +50,14 @@ class Reply:
 
     ``value`` is the result when ``failure`` is None. ``schemas`` are the info schemas a
     worker numbered in this fast batch (``info_columns``), as ``(id, InfoSchema)``.
+    ``modules``, in a worker's ready reply: what building its envs imported
+    (``module_server``).
     """
 
     value: Any = None
     failure: RemoteFailure | None = None
     schemas: list[tuple[int, Any]] | None = None
+    modules: list[str] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

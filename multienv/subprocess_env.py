@@ -18,6 +18,7 @@ from typing import Any
 
 import gymnasium as gym
 
+from multienv import module_server
 from multienv.env_proxy import RemoteEnv
 from multienv.factory import create_envs, supervise
 from multienv.forkserver import forkserver_context, forkserver_thread_env
@@ -197,6 +198,7 @@ def _supervise(
     blas_threads: int | None = 1,
     pin_cpu: bool = False,
     wait: str = "sleep",
+    is_probe: bool = False,
     **supervisor_options: Any,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one worker's handle and supervisor.
@@ -218,7 +220,7 @@ def _supervise(
         born_with = (forkserver_thread_env() or {}) if is_forkserver else {}
         worker_settings = settings.for_fork_from(born_with, os.environ)
         return ProcessHandle(
-            WorkerRecipe(resolved, env_fn_bytes, first_env_index, daemon, worker_settings)
+            WorkerRecipe(resolved, env_fn_bytes, first_env_index, daemon, worker_settings, is_probe)
         )
 
     return supervise(env_fns, first_env_index, make_handle, BACKEND, **supervisor_options)
@@ -243,18 +245,43 @@ def create_subprocess_envs(
     """
     if "env_index" in options:
         raise TypeError("create_subprocess_envs() numbers the envs itself; do not pass env_index")
+    probe = False
     if (
         not isinstance(envs_per_worker, bool)
         and isinstance(envs_per_worker, int)
         and envs_per_worker > 0
     ):
-        check_spinners(options.get("wait", "sleep"), -(-len(env_fns) // envs_per_worker))
+        num_workers = -(-len(env_fns) // envs_per_worker)
+        check_spinners(options.get("wait", "sleep"), num_workers)
+        probe = _should_probe(num_workers, options)
     return create_envs(
         env_fns,
         envs_per_worker,
-        lambda fns, first: _supervise(fns, first, **options),
+        lambda fns, first: _supervise(fns, first, is_probe=probe and first == 0, **options),
         SubprocessEnv,
         "create_subprocess_envs",
+        first_alone=probe,
+    )
+
+
+def _should_probe(num_workers: int, options: dict[str, Any]) -> bool:
+    """Whether the first worker goes alone, so that its modules reach the others.
+
+    When the workers outnumber the cores, their imports would queue for the cores anyway;
+    importing them once in the module server (after the first worker reports them) makes
+    the rest both share them and start sooner. With as many workers as cores or fewer, all
+    start at once as before, and the server starts in the background for later workers.
+    """
+    context = options.get("context")
+    is_forkserver = context in (None, "forkserver") or (
+        isinstance(context, BaseContext) and context.get_start_method() == "forkserver"
+    )
+    return bool(
+        is_forkserver
+        and sys.platform.startswith("linux")
+        and options.get("daemon", True)
+        and not module_server.has_tried()
+        and num_workers > len(os.sched_getaffinity(0))
     )
 
 

@@ -93,13 +93,15 @@ def run_worker(
     settings.apply()
 
     runner = EnvRunner(env_fn_bytes)
+    before = set(sys.modules)
     try:
         descriptions = runner.build()
     except BuildError as exc:
         write_message(conn.fileno(), encode(Reply(failure=exc.failure)))
         return
+    modules = _imported_since(before)
     _warm_up()
-    write_message(conn.fileno(), encode(Reply(descriptions)))
+    write_message(conn.fileno(), encode(Reply(descriptions, modules=modules)))
 
     is_closed_by_parent = False
     try:
@@ -117,6 +119,19 @@ def run_worker(
             except (BrokenPipeError, ConnectionResetError):
                 pass
         conn.close()
+
+
+def _imported_since(before: set[str]) -> list[str]:
+    """The modules imported since ``before`` that can be imported again by name.
+
+    The parent's module server imports them, so that later workers share them.
+    """
+    return sorted(
+        name
+        for name in set(sys.modules) - before
+        if not name.startswith(("__main__", "__mp_main__", "multienv"))
+        and getattr(sys.modules[name], "__spec__", None) is not None
+    )
 
 
 def _warm_up() -> None:
