@@ -298,55 +298,69 @@ class ModuleServer:
             self._process.join(1.0)
 
 
+@dataclasses.dataclass
+class _ProcessState:
+    """This process's module server: what the first report asked for, and the server."""
+
+    pid: int = -1  # the process it belongs to (a forked child starts afresh)
+    learned: tuple[BaseContext, list[str]] | None = None
+    server: ModuleServer | None = None
+    tried: bool = False
+
+
 _lock = threading.Lock()
-_server: ModuleServer | None = None
-_server_pid = -1  # the process the server belongs to (a forked child has none)
-_tried = False
+_state = _ProcessState()
+
+
+def _here() -> _ProcessState:
+    """The state of this process, forgetting the one of a process it was forked from."""
+    if _state.pid != os.getpid():
+        _state.pid, _state.learned, _state.server, _state.tried = os.getpid(), None, None, False
+    return _state
 
 
 def running() -> ModuleServer | None:
     """This process's module server, if it runs."""
     with _lock:
-        server = _server if _server_pid == os.getpid() else None
+        server = _here().server
     return server if server is not None and server.is_alive() else None
-
-
-def learn(context: BaseContext, modules: Sequence[str] | None, wait: bool) -> None:
-    """A worker reported the modules its envs imported: start the server once, on them.
-
-    Only for workers started from the forkserver; the first report in a process decides
-    what the server imports. ``wait``: start it before returning (the first worker of a
-    vector whose other workers wait for it), else in the background. A failure to start is
-    logged, and workers keep forking from the forkserver.
-    """
-    global _tried, _server_pid  # one server per process
-    if context.get_start_method() != "forkserver" or not modules:
-        return
-    with _lock:
-        if _tried and _server_pid == os.getpid():
-            return
-        _tried, _server_pid = True, os.getpid()
-    if wait:
-        _start(context, list(modules))
-    else:
-        threading.Thread(
-            target=_start, args=(context, list(modules)), name="multienv-modules", daemon=True
-        ).start()
 
 
 def has_tried() -> bool:
     """Whether this process started (or tried to start) its module server."""
     with _lock:
-        return _tried and _server_pid == os.getpid()
+        return _here().tried
 
 
-def _start(context: BaseContext, modules: list[str]) -> None:
-    global _server  # noqa: PLW0603 - one server per process
-    try:
-        server = ModuleServer(context, modules)
-    except OSError as exc:
-        logger.warning("module server: %s; workers import their env's modules each", exc)
+def learn(context: BaseContext, modules: Sequence[str] | None, wait: bool) -> None:
+    """A worker reported the modules its envs imported; the first report in a process counts.
+
+    Only for workers started from the forkserver. ``wait``: start the server now (the first
+    worker of a vector whose other workers wait for it). Otherwise it starts with the next
+    worker launched (a respawn, a recycle, a later vector), so that a process whose workers
+    all started already does not hold a server nobody forks from.
+    """
+    if context.get_start_method() != "forkserver" or not modules:
         return
     with _lock:
-        _server = server
-    logger.info("module server: started with %d modules", len(modules))
+        state = _here()
+        if state.learned is None:
+            state.learned = (context, list(modules))
+    if wait:
+        for_launch()
+
+
+def for_launch() -> ModuleServer | None:
+    """The server to fork the next worker from: started now if modules were reported."""
+    with _lock:
+        state = _here()
+        if not state.tried and state.learned is not None:
+            state.tried = True
+            context, modules = state.learned
+            try:
+                state.server = ModuleServer(context, modules)
+                logger.info("module server: started with %d modules", len(modules))
+            except OSError as exc:
+                logger.warning("module server: %s; workers import their env's modules", exc)
+        server = state.server
+    return server if server is not None and server.is_alive() else None

@@ -104,7 +104,7 @@ class WorkerRecipe:
         name = f"multienv-worker-{self.env_index}"
         is_forkserver = self.context.get_start_method() == "forkserver"
         # Daemon workers only: a served worker cannot start processes of its own.
-        server = module_server.running() if self.daemon and is_forkserver else None
+        server = module_server.for_launch() if self.daemon and is_forkserver else None
         if server is not None:
             args = module_server.WorkerArgs(
                 list(self.env_fn_bytes), self.env_index, os.getpid(), self.settings

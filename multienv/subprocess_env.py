@@ -131,7 +131,9 @@ class SubprocessEnv(RemoteEnv):
         env_index: Position of this env in its vector; used in messages and process names.
         preload: Names of modules for the forkserver to import before it forks workers, such
             as the env's package (``"ale_py"``), so that every worker shares their memory
-            and a respawn does not import them again. The forkserver starts once per
+            and a respawn does not import them again. Without it, the modules the first
+            worker's envs import are shared by the workers started after it (see
+            ``multienv.module_server``). The forkserver starts once per
             process, so pass it to the first env a process starts; later ones log a warning.
             Other start methods ignore it.
         daemon: Start the worker as a daemon process (default). ``False`` lets env code
