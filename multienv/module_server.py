@@ -46,6 +46,7 @@ _STATUS = struct.Struct("<i")  # an exit status: the code, or minus the signal
 _READY = b"ready"
 _REFUSED = b"refused"
 _START_TIMEOUT_S = 60.0  # importing the env's modules in the server
+_MAX_REQUEST = 64 * 1024  # bytes; one datagram. Larger factories start from the forkserver
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,19 +261,23 @@ class ModuleServer:
 
     def launch(
         self, child_conn: Connection, stderr_write: Connection, args: WorkerArgs, name: str
-    ) -> ServedProcess:
+    ) -> ServedProcess | None:
         """Fork a worker from the server; its pipe ends are duplicated into it.
+
+        Returns None, sending nothing, when the pickled factories are too large for one
+        request (the caller starts the worker from the forkserver).
 
         Raises:
             OSError: The server is gone (the caller falls back to the forkserver).
         """
+        request = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(request) > _MAX_REQUEST:
+            return None
         status_r, status_w = os.pipe()
         try:
             with self._lock:
                 socket.send_fds(
-                    self._sock,
-                    [pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)],
-                    [child_conn.fileno(), stderr_write.fileno(), status_w],
+                    self._sock, [request], [child_conn.fileno(), stderr_write.fileno(), status_w]
                 )
                 answer = self._sock.recv(_STATUS.size)
         except BaseException:

@@ -110,7 +110,9 @@ class WorkerRecipe:
                 list(self.env_fn_bytes), self.env_index, os.getpid(), self.settings
             )
             try:
-                return server.launch(child_conn, stderr_write, args, name)
+                served = server.launch(child_conn, stderr_write, args, name)
+                if served is not None:
+                    return served
             except OSError as exc:  # the server died: the forkserver still works
                 logger.warning("env %d: module server failed (%s); forkserver", self.env_index, exc)
         process = self.context.Process(  # type: ignore[attr-defined]

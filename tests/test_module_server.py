@@ -82,3 +82,32 @@ def test_when_the_module_server_dies_its_workers_are_respawned_from_the_forkserv
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "ok"
+
+
+_LARGE_FACTORY_SCRIPT = """
+import functools, os
+import numpy as np
+from multienv import MultiEnv, module_server
+from tests.envs import CountingEnv
+
+def make_env(payload):
+    return CountingEnv(episode_length=int(payload[0]) + 5)
+
+if True:  # run with -c: no script file for workers to import
+    n = len(os.sched_getaffinity(0)) + 1
+    payload = np.zeros(300_000, dtype=np.uint8)  # 300 KB: more than a datagram holds
+    with MultiEnv([functools.partial(make_env, payload)] * n) as envs:
+        envs.reset(seed=0)
+        assert module_server.running() is not None
+        obs, *_ = envs.step(np.ones(n, dtype=np.int64))
+        assert obs.ravel().tolist() == [1.0] * n
+        print("ok")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_factories_too_large_for_one_request_start_from_the_forkserver():
+    done = run_python(["-c", _LARGE_FACTORY_SCRIPT])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ok"
+    assert "module server failed" not in done.stderr
