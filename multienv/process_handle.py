@@ -155,10 +155,9 @@ class ProcessHandle:
             ready, self._ready_reply = self._ready_reply, None
             return ready
         reply = self._receive(deadline)
-        if isinstance(reply, Reply) and reply.failure is None and reply.modules:
+        if isinstance(reply, Reply) and reply.failure is None:
             module_server.learn(self._recipe.context, reply.modules, self._recipe.is_probe)
-        if isinstance(reply, Reply) and reply.failure is None and self._shared is not None:
-            death = self.join_link(deadline)
+            death = self.join_link(deadline)  # None when not linked
             if death is not None:
                 return death
         return reply
