@@ -1,5 +1,7 @@
 """FORKSERVER ONLY: preloaded last by the forkserver; imports the user's modules and script.
 
+Then it warms and freezes what the workers inherit (``worker.prepare_to_fork_workers``).
+
 ``multienv.forkserver`` explains why the script must be imported by hand on CPython 3.11
 and 3.12. It has to happen in a module of its own, preloaded after ``multienv.worker``:
 the script imports multienv, and while the multienv package is still being imported (as
@@ -21,6 +23,7 @@ import types
 from multiprocessing import process, spawn
 
 from multienv.forkserver import MAIN_PATH_VARIABLE, MODULES_VARIABLE, TEMP_DIR_VARIABLE
+from multienv.protocol import worker_module
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,9 @@ def _remove_temp_dir_at_exit() -> None:
         atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
 
 
+_is_forkserver = TEMP_DIR_VARIABLE in os.environ  # set only for the forkserver's start
 _remove_temp_dir_at_exit()
 _import_modules_here()
 _import_main_here()
+if _is_forkserver:  # everything is imported: warm and freeze what workers inherit
+    worker_module().prepare_to_fork_workers()

@@ -40,6 +40,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any
 
+from multienv.protocol import OwnerWatch, worker_main, worker_module
+
 logger = logging.getLogger(__name__)
 
 _STATUS = struct.Struct("<i")  # an exit status: the code, or minus the signal
@@ -62,10 +64,20 @@ class WorkerArgs:
 # ----------------------------------------------------------------- the server process
 
 
-def serve(server_end: Any, modules: Sequence[str]) -> None:
-    """The module server: import ``modules``, then fork a worker per request until EOF."""
+def serve(server_end: Any, modules: Sequence[str], owner_pid: int) -> None:
+    """The module server: import ``modules``, then fork a worker per request until EOF.
+
+    It exits when its owner (the parent) dies, and its workers with it: they ask for
+    PR_SET_PDEATHSIG, and run no thread of their own to watch the owner.
+    """
     sock: socket.socket = server_end
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C, as in workers
+    try:
+        owner_fd = os.pidfd_open(owner_pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd: each worker watches the owner itself
+        owner_fd = -1
     for name in modules:
         try:
             __import__(name)
@@ -74,6 +86,7 @@ def serve(server_end: Any, modules: Sequence[str]) -> None:
     if threading.active_count() > 1:  # a thread would be copied half-way into every worker
         sock.send(_REFUSED)
         return
+    worker_module().prepare_to_fork_workers()
     sock.send(_READY)
     status_fds: dict[int, int] = {}
     wake_r, wake_w = os.pipe()
@@ -81,8 +94,11 @@ def serve(server_end: Any, modules: Sequence[str]) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     sock_fd = sock.fileno()
+    watched = [sock_fd, wake_r] + ([owner_fd] if owner_fd >= 0 else [])
     while True:
-        ready, _, _ = select.select([sock_fd, wake_r], [], [])
+        ready, _, _ = select.select(watched, [], [])
+        if owner_fd in ready:
+            return  # the owner died; PR_SET_PDEATHSIG ends the workers
         if wake_r in ready:
             os.read(wake_r, 4096)
         _reap(status_fds)
@@ -90,13 +106,17 @@ def serve(server_end: Any, modules: Sequence[str]) -> None:
             continue
         message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
         if not message:
-            return  # the parent is gone; workers watch it themselves
+            return  # the parent closed it
         args: WorkerArgs = pickle.loads(message)
         child_fd, stderr_fd, status_fd = fds
+        server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             server_fds = [wake_r, wake_w, status_fd, *status_fds.values()]
-            _run_child(sock, server_fds, child_fd, stderr_fd, args)
+            if owner_fd >= 0:
+                server_fds.append(owner_fd)
+            watch = _watch_in_child(server_pid, is_watching=owner_fd >= 0)
+            _run_child(sock, server_fds, child_fd, stderr_fd, args, watch)
         os.close(child_fd)
         os.close(stderr_fd)
         status_fds[pid] = status_fd
@@ -121,8 +141,20 @@ def _reap(status_fds: dict[int, int]) -> None:
                 os.close(fd)
 
 
+def _watch_in_child(server_pid: int, is_watching: bool) -> OwnerWatch:
+    """In the forked worker: how it watches its owner (see ``OwnerWatch``)."""
+    if is_watching and worker_module().exit_with_direct_parent(server_pid):
+        return OwnerWatch.SERVER
+    return OwnerWatch.THREAD
+
+
 def _run_child(
-    sock: socket.socket, server_fds: list[int], child_fd: int, stderr_fd: int, args: WorkerArgs
+    sock: socket.socket,
+    server_fds: list[int],
+    child_fd: int,
+    stderr_fd: int,
+    args: WorkerArgs,
+    watch: OwnerWatch,
 ) -> None:
     """In the forked worker: drop the server's fds and signal set-up, then run the worker."""
     code = 1
@@ -132,15 +164,13 @@ def _run_child(
         sock.close()
         for fd in server_fds:
             os.close(fd)
-        from multienv.protocol import worker_main
-
         worker_main(
             Connection(child_fd),
             Connection(stderr_fd, readable=False),
             args.env_fn_bytes,
             args.env_index,
             args.parent_pid,
-            True,
+            watch,
             args.settings,
         )
         code = 0
@@ -241,7 +271,10 @@ class ModuleServer:
         self._sock = ours
         self._lock = threading.Lock()
         self._process = context.Process(  # type: ignore[attr-defined]
-            target=serve, args=(theirs, list(modules)), name="multienv-modules", daemon=True
+            target=serve,
+            args=(theirs, list(modules), os.getpid()),
+            name="multienv-modules",
+            daemon=True,
         )
         try:
             self._process.start()

@@ -28,7 +28,7 @@ from multienv import framing, module_server
 from multienv.framing import MessageReader, decode, encode
 from multienv.handles import Death
 from multienv.process_reaper import PIPE_ERRORS, stop_process
-from multienv.protocol import Command, Reply, Request, worker_main
+from multienv.protocol import Command, OwnerWatch, Reply, Request, worker_main
 from multienv.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class WorkerRecipe:
                 list(self.env_fn_bytes),
                 self.env_index,
                 os.getpid(),
-                is_forkserver,
+                OwnerWatch.PDEATHSIG_AND_THREAD if is_forkserver else OwnerWatch.THREAD,
                 self.settings,
             ),
             name=name,

@@ -424,6 +424,17 @@ class RemoteTraceback(Exception):
         return "\n\nworker traceback:\n" + self.traceback_text
 
 
+class OwnerWatch(enum.Enum):
+    """How a worker makes sure it exits within 2 s of the process that owns it dying."""
+
+    THREAD = "thread"  # a thread waits on the owner's pidfd (spawn, fork)
+    # Also PR_SET_PDEATHSIG on the direct parent, the forkserver, which exits with its owner.
+    PDEATHSIG_AND_THREAD = "pdeathsig+thread"
+    # The module server, the direct parent, watches the owner, exits with it and has set
+    # PR_SET_PDEATHSIG in the worker before it runs: no thread in the worker.
+    SERVER = "server"
+
+
 WORKER_MODULE = "multienv.worker"
 
 
@@ -433,6 +444,11 @@ def worker_main(*args: Any) -> None:
     The parent names the worker through this function, so the parent side and ``worker``
     never import each other.
     """
+    worker_module().run_worker(*args)
+
+
+def worker_module() -> Any:
+    """``multienv.worker``, imported by name: for the processes workers are forked from."""
     import importlib
 
-    importlib.import_module(WORKER_MODULE).run_worker(*args)
+    return importlib.import_module(WORKER_MODULE)

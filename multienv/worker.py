@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import functools
+import gc
 import logging
 import os
 import select
@@ -42,7 +44,7 @@ from multienv.framing import (
     slot_of,
     write_message,
 )
-from multienv.protocol import Command, Order, Outcome, Reply, Request
+from multienv.protocol import Command, Order, Outcome, OwnerWatch, Reply, Request
 from multienv.runner import (
     BuildError,
     EnvRunner,
@@ -67,7 +69,7 @@ def run_worker(
     env_fn_bytes: list[bytes],
     env_index: int,
     parent_pid: int,
-    use_pdeathsig: bool,
+    owner_watch: OwnerWatch,
     settings: WorkerSettings,
 ) -> None:
     """Build the envs, report their spaces, then serve requests until CLOSE or the pipe breaks.
@@ -78,8 +80,8 @@ def run_worker(
         env_fn_bytes: The cloudpickled env factories, one per env of this worker.
         env_index: Index of the worker's first env in its vector, for names and messages.
         parent_pid: The process that owns this worker; the worker exits when it dies.
-        use_pdeathsig: Ask the kernel for SIGKILL when the direct parent dies (safe only when
-            the direct parent is single-threaded, as the forkserver is).
+        owner_watch: How: a thread, and PR_SET_PDEATHSIG when the direct parent is the
+            single-threaded forkserver; nothing more when the module server watches.
         settings: Threads and CPU pinning, applied before the envs are built.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -89,7 +91,7 @@ def run_worker(
     libc = _libc()
     if libc is not None:
         libc.prctl(_PR_SET_NAME, f"{OS_NAME_PREFIX}{env_index}".encode()[:15])
-    _exit_with_parent(libc, parent_pid, use_pdeathsig)
+    _exit_with_parent(parent_pid, owner_watch)
     settings.apply()
 
     runner = EnvRunner(env_fn_bytes)
@@ -278,6 +280,7 @@ class _Loop:
         write_message(self.fd, encode_reply(Reply(extras, schemas=schemas), None, resets))
 
 
+@functools.cache
 def _libc() -> Any:
     """Return libc with ``prctl`` on Linux, else None."""
     if not sys.platform.startswith("linux"):
@@ -290,10 +293,42 @@ def _libc() -> Any:
     return libc
 
 
-def _exit_with_parent(libc: Any, parent_pid: int, use_pdeathsig: bool) -> None:
+def exit_with_direct_parent(expected_ppid: int) -> bool:
+    """Ask for SIGKILL when the direct parent dies; exit now if it died already.
+
+    Returns:
+        False when the kernel call is unavailable (not Linux): nothing was set.
+    """
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != expected_ppid:  # it died before the call took effect
+        os._exit(0)
+    return True
+
+
+def prepare_to_fork_workers() -> None:
+    """In a process that workers fork from (the forkserver, the module server), before forking.
+
+    Runs the worker's first-time code paths here (loading libc, a message's encoding and
+    decoding) so that workers inherit them warm, and moves every object into the garbage
+    collector's permanent generation: a full collection in a worker then never writes to
+    the inherited objects, which would make each worker copy them (about 13 MiB with
+    Gymnasium's MuJoCo modules).
+    """
+    _libc()
+    _warm_up()
+    gc.collect()
+    gc.freeze()
+
+
+def _exit_with_parent(parent_pid: int, owner_watch: OwnerWatch) -> None:
     """Make this process exit soon after ``parent_pid`` dies, however it dies."""
-    if use_pdeathsig and libc is not None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if owner_watch is OwnerWatch.SERVER:
+        return  # the module server watches it, and PR_SET_PDEATHSIG is set
+    if owner_watch is OwnerWatch.PDEATHSIG_AND_THREAD:
+        exit_with_direct_parent(os.getppid())
     # PDEATHSIG follows the direct parent thread, which under fork or spawn may be a pool
     # thread of the real parent; a pidfd (or a poll, without one) watches the process itself.
     threading.Thread(

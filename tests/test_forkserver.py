@@ -17,8 +17,11 @@ from tests.envs import CountingEnv
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_python(args, *, input=None, path=()):
-    """Run a fresh Python with the repo (and ``path``) importable; return the finished run."""
+def run_python(args, *, input=None, path=(), env=None):
+    """Run a fresh Python with the repo (and ``path``) importable, and ``env`` variables set.
+
+    Returns the finished run.
+    """
     return subprocess.run(
         [sys.executable, *args],
         input=input,
@@ -26,7 +29,11 @@ def run_python(args, *, input=None, path=()):
         text=True,
         timeout=50,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *map(str, path)])},
+        env={
+            **os.environ,
+            **(env or {}),
+            "PYTHONPATH": os.pathsep.join([str(REPO), *map(str, path)]),
+        },
     )
 
 

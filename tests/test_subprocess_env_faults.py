@@ -377,6 +377,38 @@ def test_workers_exit_within_2_s_when_parent_is_sigkilled_and_leave_no_temp_dir(
         child.communicate(timeout=5)
 
 
+def test_served_workers_exit_within_2_s_when_parent_is_sigkilled_while_its_fork_lives():
+    # A child the parent forked holds copies of the parent's sockets, so the module server
+    # never sees its socket close: it watches the parent's pid itself, and its workers
+    # (which run no watcher thread of their own) die with it.
+    child = run_script(
+        """
+        import os, time
+        from multienv import MultiEnv, module_server
+        from tests.envs import CountingEnv
+        if __name__ == "__main__":
+            n = len(os.sched_getaffinity(0)) + 1  # more workers than cores: a module server
+            envs = MultiEnv([CountingEnv] * n)
+            assert module_server.running() is not None
+            if os.fork() == 0:
+                time.sleep(60)
+                os._exit(0)
+            print(" ".join(str(e.pid) for e in envs.envs[1:]), flush=True)
+            time.sleep(60)
+        """,
+        start_new_session=True,  # the forked child is killed with the group afterwards
+    )
+    try:
+        served = [int(p) for p in child.stdout.readline().split()]
+        assert served, child.stderr.read()
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(5)
+        assert wait_gone(served, within_s=2.0), [p for p in served if not is_gone(p)]
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate(timeout=5)
+
+
 def test_ctrl_c_reaches_only_the_parent_and_close_cleans_up():
     child = run_script(
         """
