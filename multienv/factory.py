@@ -86,7 +86,6 @@ def create_envs(
     supervise: Callable[[Sequence[Callable[[], Any]], int], WorkerSupervisor],
     proxy_class: type[ProxyT],
     name: str,
-    first_alone: bool = False,
 ) -> list[ProxyT]:
     """Start the workers, then initialize them all in parallel; return one proxy per env.
 
@@ -97,8 +96,6 @@ def create_envs(
             of its first env (checking and pickling them: nothing is started by it).
         proxy_class: The backend's ``RemoteEnv`` subclass.
         name: The public function's name, for messages.
-        first_alone: Start and initialize the first worker before the others (what it
-            reports may change how they start: the subprocess backend's module server).
     """
     if not isinstance(envs_per_worker, int) or envs_per_worker < 1:
         raise ValueError(f"{name}(): envs_per_worker must be an int >= 1, got {envs_per_worker!r}")
@@ -114,17 +111,12 @@ def create_envs(
             RemoteEnv.__init__(env, supervisor, position)
             envs.append(env)
     try:
-        alone = supervisors[:1] if first_alone else []
-        for supervisor in alone:
-            supervisor.start()
-            supervisor.initialize()
-        rest = supervisors[len(alone) :]
-        for supervisor in rest:
+        for supervisor in supervisors:
             supervisor.start()
         with ThreadPoolExecutor(
-            max_workers=max(1, min(len(rest), 32)), thread_name_prefix="multienv"
+            max_workers=max(1, min(len(supervisors), 32)), thread_name_prefix="multienv"
         ) as pool:
-            futures = [pool.submit(supervisor.initialize) for supervisor in rest]
+            futures = [pool.submit(supervisor.initialize) for supervisor in supervisors]
             wait_futures(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]
         for error in errors[1:]:

@@ -66,8 +66,8 @@ class WorkerRecipe:
         env_index: The index of the worker's first env, for names and messages.
         daemon: Start the worker as a daemon process.
         settings: Threads and CPU pinning for the worker process.
-        is_probe: The first worker of a vector whose other workers wait for its envs: the
-            modules they import start the module server before the others are launched.
+        is_probe: A worker that builds env 0 only to report the modules it imports: they
+            start the module server at once, before the vector's workers are launched.
     """
 
     context: BaseContext

@@ -255,23 +255,38 @@ def create_subprocess_envs(
     ):
         num_workers = -(-len(env_fns) // envs_per_worker)
         check_spinners(options.get("wait", "sleep"), num_workers)
-        probe = _should_probe(num_workers, options)
+        probe = bool(env_fns) and _should_probe(num_workers, options)
+    if probe:
+        _start_module_server(env_fns[0], options)
     return create_envs(
         env_fns,
         envs_per_worker,
-        lambda fns, first: _supervise(fns, first, is_probe=probe and first == 0, **options),
+        lambda fns, first: _supervise(fns, first, **options),
         SubprocessEnv,
         "create_subprocess_envs",
-        first_alone=probe,
     )
 
 
+def _start_module_server(env_fn: EnvFn, options: dict[str, Any]) -> None:
+    """Build env 0 alone in a probe worker, whose report starts the module server; close it.
+
+    Every worker of the vector then forks from the server: none imports the env's modules
+    into memory of its own. An env_fn that fails fails here, as it would in its worker.
+    """
+    supervisor = _supervise([env_fn], 0, is_probe=True, **options)
+    try:
+        supervisor.start()
+        supervisor.initialize()
+    finally:
+        supervisor.close(timeout=1.0)
+
+
 def _should_probe(num_workers: int, options: dict[str, Any]) -> bool:
-    """Whether the first worker goes alone, so that its modules reach the others.
+    """Whether a probe worker builds env 0 first, so that its modules reach every worker.
 
     When the workers outnumber the cores, their imports would queue for the cores anyway;
-    importing them once in the module server (after the first worker reports them) makes
-    the rest both share them and start sooner. With as many workers as cores or fewer, all
+    importing them once in the module server (after the probe reports them) makes the
+    workers both share them and start sooner. With as many workers as cores or fewer, all
     start at once as before, and the server starts in the background for later workers.
     """
     context = options.get("context")
