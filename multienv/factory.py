@@ -19,6 +19,7 @@ import gymnasium as gym
 from multienv import vector_checks
 from multienv.env_proxy import RemoteEnv
 from multienv.handles import Backend, WorkerHandle, find_backend
+from multienv.space_bounds import share_bounds
 from multienv.supervisor import WorkerSupervisor
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ def create_envs(
             raise errors[0]  # type: ignore[misc]
         for env in envs:
             env.describe()
+            share_bounds(env.observation_space, envs[0].observation_space)
+            share_bounds(env.action_space, envs[0].action_space)
     except BaseException:
         for supervisor in supervisors:
             supervisor.close(timeout=1.0)

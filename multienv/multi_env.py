@@ -21,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import batch_differing_spaces, batch_space
+from gymnasium.vector.utils import batch_differing_spaces
 
 from multienv import planning, vector_checks
 from multienv.assembly import Assembly, StepBatch
@@ -48,6 +48,7 @@ from multienv.fan_out import (
 from multienv.handles import SharedMemoryLink, keyword_options
 from multienv.protocol import StepPlan
 from multienv.send_recv import InFlight
+from multienv.space_bounds import lean_batch_space
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +157,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self.spec = first.spec
         self.single_observation_space = first.observation_space
         self.single_action_space = first.action_space
-        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
-        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.observation_space = lean_batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = lean_batch_space(self.single_action_space, self.num_envs)
         shared_memory = self.shared_memory
         if isinstance(mode, tuple):
             self.observation_space, self.single_observation_space = mode
