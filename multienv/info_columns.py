@@ -142,10 +142,35 @@ class ColumnWriter:
 
 @dataclasses.dataclass(frozen=True)
 class _Known:
-    """A schema the parent has seen, with where each key's values are."""
+    """A schema the parent has seen, with where each key's values are.
+
+    For whole columns, the keys of one dtype are copied out in one block
+    (``blocks``: is_float, cells, dtype); ``layout`` says, key by key in the info's order,
+    the name of its mask and which row of which block holds its values.
+    """
 
     schema: InfoSchema
     columns: tuple[tuple[Any, int, bool, np.dtype[Any]], ...]  # key, cell, is_float, dtype
+    blocks: tuple[tuple[bool, np.ndarray, np.dtype[Any]], ...]
+    layout: tuple[tuple[Any, str, int, int], ...]  # key, "_key", block, row in the block
+
+    @classmethod
+    def of(cls, schema: InfoSchema) -> _Known:
+        """Where each key of ``schema`` is, in cells and in blocks."""
+        columns = _columns(schema)
+        block_of: dict[tuple[bool, np.dtype[Any]], list[int]] = {}
+        for _, cell, is_float, dtype in columns:
+            block_of.setdefault((is_float, dtype), []).append(cell)
+        kinds = list(block_of)
+        layout = []
+        for key, cell, is_float, dtype in columns:
+            block = kinds.index((is_float, dtype))
+            layout.append((key, f"_{key}", block, block_of[is_float, dtype].index(cell)))
+        blocks = tuple(
+            (is_float, np.array(cells, dtype=np.intp), dtype)
+            for (is_float, dtype), cells in block_of.items()
+        )
+        return cls(schema, columns, blocks, tuple(layout))
 
 
 class ColumnReader:
@@ -179,7 +204,7 @@ class ColumnReader:
                 global_id = self._global_of.get(schema)
                 if global_id is None:
                     global_id = self._global_of[schema] = len(self._known)
-                    self._known.append(_Known(schema, _columns(schema)))
+                    self._known.append(_Known.of(schema))
                 self._table[worker_index, schema_id] = global_id
 
     def merge(
@@ -203,14 +228,18 @@ class ColumnReader:
         size = len(self._ids)
         first = int(global_ids[0])
         if first and not pickled and isinstance(fresh, slice) and (global_ids == first).all():
-            # the usual step: every env, one schema; whole columns
+            # the usual step: every env, one schema; whole columns, one copy per dtype
             known = self._known[first]
             assert known is not None
+            blocks = [
+                (self._floats if is_float else self._ints)[:, cells].T.astype(dtype, order="C")
+                for is_float, cells, dtype in known.blocks
+            ]
+            masks = np.ones((len(known.layout), size), dtype=np.bool_)
             infos: dict[str, Any] = {}
-            for key, cell, is_float, dtype in known.columns:
-                source = self._floats if is_float else self._ints
-                infos[key] = source[:, cell].astype(dtype)
-                infos[f"_{key}"] = np.ones(size, dtype=np.bool_)
+            for row, (key, mask_key, block, block_row) in enumerate(known.layout):
+                infos[key] = blocks[block][block_row]
+                infos[mask_key] = masks[row]
             return infos
         rows_of_vector = np.arange(size)[fresh]
         present = [
