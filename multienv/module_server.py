@@ -3,16 +3,19 @@
 The forkserver preloads numpy, gymnasium and the user's script, but not what the env
 factories import when they run (``gym.make("HalfCheetah-v5")`` imports mujoco and
 Gymnasium's MuJoCo modules). Each worker then imports those into private memory: about 15
-MiB per HalfCheetah worker. So the first worker of a process reports the modules its envs
+MiB per HalfCheetah worker. So the first worker of a process (or a probe that builds env 0
+alone, for a vector with more workers than cores) reports the modules its envs
 imported (``Reply.modules``), and the parent starts a *module server*: a process forked from
 the forkserver (numpy and gymnasium already in it) that imports those modules and then
 forks workers on request. Workers started after that (the rest of a vector, respawns,
 recycles, later vectors) share the modules' pages and skip the imports.
 
 It stays safe to fork from: it imports modules and builds no env; it refuses to serve
-(and the parent keeps using the forkserver) if the imports started a thread. If it dies,
-its workers die with it (``PR_SET_PDEATHSIG``, as with the forkserver) and are respawned
-from the forkserver.
+(and the parent keeps using the forkserver) if the imports started a thread. Before it
+forks, it warms the worker's first-time code paths and freezes the garbage collector
+(``worker.prepare_to_fork_workers``). It watches the parent's pid and exits when the parent
+dies; its workers die with it (``PR_SET_PDEATHSIG``), whichever way it ends, and if it dies
+while the parent lives they are respawned from the forkserver.
 
 Wire, over a ``SOCK_SEQPACKET`` pair: the parent sends one pickled ``WorkerArgs`` with three
 fds (the worker's pipe end, its stderr pipe, the write end of a status pipe); the server

@@ -102,7 +102,7 @@ def make_env():
     return CountingEnv()
 
 if __name__ == "__main__":
-    n = len(os.sched_getaffinity(0)) + 1  # more workers than cores: the first goes alone
+    n = len(os.sched_getaffinity(0)) + 1  # more workers than cores: a probe goes first
     with MultiEnv([make_env] * n, preload=sys.argv[1:]) as envs:
         envs.reset(seed=0)
         os.kill(envs.envs[1].pid, signal.SIGKILL)
@@ -113,7 +113,7 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("preload", "expected_imports"), [([], 2), (["env_package"], 1)])
-def test_the_envs_module_is_imported_once_for_all_workers_but_the_first(
+def test_the_envs_module_is_imported_by_the_probe_and_once_for_all_workers(
     tmp_path, preload, expected_imports
 ):
     imports = write_module_that_counts_its_imports(tmp_path, "env_package")
@@ -121,8 +121,8 @@ def test_the_envs_module_is_imported_once_for_all_workers_but_the_first(
     script.write_text(_PRELOAD_SCRIPT)
     done = run_python([str(script), *preload], path=[tmp_path])
     assert done.returncode == 0, done.stderr[-2000:]
-    # Without preload: the first worker imports it, then the module server (which the other
-    # workers and the respawn fork from). With it: the forkserver only.
+    # Without preload: the probe worker imports it, then the module server (which every
+    # worker and the respawn fork from). With it: the forkserver only.
     assert imports() == expected_imports
 
 

@@ -32,7 +32,7 @@ def make_env():
     return Collecting(env) if os.environ.get("COLLECT") else env
 
 if True:  # run with -c: no script file for workers to import
-    n = len(os.sched_getaffinity(0)) + 1  # more workers than cores: the first goes alone
+    n = len(os.sched_getaffinity(0)) + 1  # more workers than cores: a probe goes first
     with MultiEnv([make_env] * n) as envs:
         envs.reset(seed=0)
         for _ in range(100):
