@@ -133,3 +133,31 @@ def test_factories_too_large_for_one_request_start_from_the_forkserver():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "ok"
     assert "module server failed" not in done.stderr
+
+
+_PROBE_FAILS_SCRIPT = """
+import os
+from multienv import EnvError, MultiEnv, module_server
+from tests.conftest import live_workers
+from tests.envs import CountingEnv, RaiseInInit
+
+if True:  # run with -c: no script file for workers to import
+    n = len(os.sched_getaffinity(0)) + 1  # more workers than cores: a probe builds env 0
+    try:
+        MultiEnv([RaiseInInit] + [CountingEnv] * (n - 1))
+    except EnvError as exc:
+        print(exc.env_index, type(exc).__name__, "cannot build this env" in str(exc))
+    assert live_workers() == [], live_workers()
+    assert module_server.running() is None  # the probe reported no modules
+    with MultiEnv([CountingEnv] * n) as envs:  # the next vector probes again, and shares
+        assert module_server.running() is not None
+        envs.reset(seed=0)
+    print("ok")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_env_0_that_fails_in_the_probe_is_reported_as_env_0_and_leaves_no_worker():
+    done = run_python(["-c", _PROBE_FAILS_SCRIPT])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0", "EnvError[RuntimeError]", "True", "ok"]
