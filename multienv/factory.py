@@ -87,6 +87,7 @@ def create_envs(
     supervise: Callable[[Sequence[Callable[[], Any]], int], WorkerSupervisor],
     proxy_class: type[ProxyT],
     name: str,
+    before_start: Callable[[], None] | None = None,
 ) -> list[ProxyT]:
     """Start the workers, then initialize them all in parallel; return one proxy per env.
 
@@ -97,6 +98,8 @@ def create_envs(
             of its first env (checking and pickling them: nothing is started by it).
         proxy_class: The backend's ``RemoteEnv`` subclass.
         name: The public function's name, for messages.
+        before_start: Runs once every factory is checked and pickled, before any worker
+            starts (the subprocess backend's probe for the module server).
     """
     if not isinstance(envs_per_worker, int) or envs_per_worker < 1:
         raise ValueError(f"{name}(): envs_per_worker must be an int >= 1, got {envs_per_worker!r}")
@@ -112,6 +115,8 @@ def create_envs(
             RemoteEnv.__init__(env, supervisor, position)
             envs.append(env)
     try:
+        if before_start is not None:
+            before_start()
         for supervisor in supervisors:
             supervisor.start()
         with ThreadPoolExecutor(

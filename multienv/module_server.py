@@ -118,8 +118,7 @@ def serve(server_end: Any, modules: Sequence[str], owner_pid: int) -> None:
             server_fds = [wake_r, wake_w, status_fd, *status_fds.values()]
             if owner_fd >= 0:
                 server_fds.append(owner_fd)
-            watch = _watch_in_child(server_pid, is_watching=owner_fd >= 0)
-            _run_child(sock, server_fds, child_fd, stderr_fd, args, watch)
+            _run_child(sock, server_fds, child_fd, stderr_fd, args, (server_pid, owner_fd >= 0))
         os.close(child_fd)
         os.close(stderr_fd)
         status_fds[pid] = status_fd
@@ -145,8 +144,11 @@ def _reap(status_fds: dict[int, int]) -> None:
 
 
 def _watch_in_child(server_pid: int, is_watching: bool) -> OwnerWatch:
-    """In the forked worker: how it watches its owner (see ``OwnerWatch``)."""
-    if is_watching and worker_module().exit_with_direct_parent(server_pid):
+    """In the forked worker: die with the server; how it watches its owner (``OwnerWatch``).
+
+    Without a pidfd of the owner in the server, the worker's own thread watches the owner.
+    """
+    if worker_module().exit_with_direct_parent(server_pid) and is_watching:
         return OwnerWatch.SERVER
     return OwnerWatch.THREAD
 
@@ -157,11 +159,15 @@ def _run_child(
     child_fd: int,
     stderr_fd: int,
     args: WorkerArgs,
-    watch: OwnerWatch,
+    server: tuple[int, bool],
 ) -> None:
-    """In the forked worker: drop the server's fds and signal set-up, then run the worker."""
+    """In the forked worker: drop the server's fds and signal set-up, then run the worker.
+
+    ``server``: the server's pid, and whether it watches the owner.
+    """
     code = 1
     try:
+        watch = _watch_in_child(*server)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sock.close()

@@ -256,14 +256,13 @@ def create_subprocess_envs(
         num_workers = -(-len(env_fns) // envs_per_worker)
         check_spinners(options.get("wait", "sleep"), num_workers)
         probe = bool(env_fns) and _should_probe(num_workers, options)
-    if probe:
-        _start_module_server(env_fns[0], options)
     return create_envs(
         env_fns,
         envs_per_worker,
         lambda fns, first: _supervise(fns, first, **options),
         SubprocessEnv,
         "create_subprocess_envs",
+        before_start=(lambda: _start_module_server(env_fns[0], options)) if probe else None,
     )
 
 

@@ -5,6 +5,7 @@ worker that reports its modules, so the test session's own server cannot be star
 """
 
 import json
+import os
 
 import pytest
 
@@ -136,13 +137,19 @@ def test_factories_too_large_for_one_request_start_from_the_forkserver():
 
 
 _PROBE_FAILS_SCRIPT = """
-import os
+import os, threading
 from multienv import EnvError, MultiEnv, module_server
 from tests.conftest import live_workers
 from tests.envs import CountingEnv, RaiseInInit
 
 if True:  # run with -c: no script file for workers to import
     n = len(os.sched_getaffinity(0)) + 1  # more workers than cores: a probe builds env 0
+    lock = threading.Lock()
+    try:  # bad input is found before anything starts, the probe included
+        MultiEnv([CountingEnv] * (n - 1) + [lambda: lock and CountingEnv()])
+    except TypeError as exc:
+        print(str(exc).split(":")[0].replace(" ", "_"))
+    assert not module_server.has_tried()
     try:
         MultiEnv([RaiseInInit] + [CountingEnv] * (n - 1))
     except EnvError as exc:
@@ -157,7 +164,13 @@ if True:  # run with -c: no script file for workers to import
 
 
 @pytest.mark.timeout(60)
-def test_an_env_0_that_fails_in_the_probe_is_reported_as_env_0_and_leaves_no_worker():
+def test_bad_input_stops_before_the_probe_and_a_failing_env_0_leaves_no_worker():
     done = run_python(["-c", _PROBE_FAILS_SCRIPT])
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["0", "EnvError[RuntimeError]", "True", "ok"]
+    assert done.stdout.split() == [
+        f"env_{len(os.sched_getaffinity(0))}",  # the last env, n - 1
+        "0",
+        "EnvError[RuntimeError]",
+        "True",
+        "ok",
+    ]
