@@ -240,6 +240,11 @@ def create_subprocess_envs(
             cheap envs faster, and one worker's death truncates each of its envs.
         **options: Keyword options of ``SubprocessEnv``, applied to every env.
 
+    With more workers than cores (forkserver, daemon workers), env 0's factory runs once
+    more, first, in a probe worker that reports the modules it imports and exits, so that
+    every worker forks from a process that has them (``multienv.module_server``), as
+    ``AsyncVectorEnv`` builds a dummy env in its parent.
+
     Raises:
         TypeError: An env_fn cannot be pickled; nothing was started.
         EnvError: An env_fn raised in its worker; all proxies are closed first.
