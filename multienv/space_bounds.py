@@ -1,11 +1,17 @@
-"""PARENT SIDE: one copy of a Box's bound arrays for all the envs and batches that share them.
+"""BOTH SIDES: one copy of a Box's bound arrays for all the envs and batches that share them.
 
 A ``Box`` keeps four arrays of its own shape: ``low``, ``high`` and where each is bounded.
-Every env's space arrives from its worker with its own copies, and Gymnasium's
+Every env's space would arrive from its worker with its own copies, and Gymnasium's
 ``batch_space`` tiles them N times for the vector's space. For Atari frames (210x160x3)
-that is 400 KiB per env and 400 KiB per env again in the batch: about 50 MiB in the parent
-at N=64. Here, envs whose bounds are equal share env 0's arrays, and the vector's space
-holds read-only broadcast views of the single space's arrays instead of tiled copies.
+that is 400 KiB per env and 400 KiB per env again in the batch: about 90 MiB in the parent
+at N=64, and as much pickled and unpickled at start-up. So:
+
+- a worker describes its envs with ``dumps_compact``: a large Box whose bounds are each one
+  value (Atari's 0 and 255) travels as its shape, dtype and those values, and the parent
+  rebuilds it (``uniform_box``) around the arrays of an equal Box it already has;
+- envs whose bounds are equal otherwise share env 0's arrays (``share_bounds``);
+- the vector's space holds read-only broadcast views of the single space's arrays instead
+  of tiled copies (``lean_batch_space``).
 
 Shared arrays are made read-only, so that writing into one env's bounds raises instead of
 changing every env's.
@@ -13,6 +19,11 @@ changing every env's.
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +33,59 @@ from gymnasium.spaces import Box, Dict, Tuple
 from gymnasium.vector.utils import batch_space
 
 _BOUNDS = ("low", "high", "bounded_below", "bounded_above")
+_COMPACT_MIN_SIZE = 1024  # elements; smaller Boxes are pickled whole
+
+# A Box already rebuilt, by (shape, dtype, low, high): the next equal one shares its arrays.
+_rebuilt: weakref.WeakValueDictionary[tuple[Any, ...], Box] = weakref.WeakValueDictionary()
+_rebuilt_lock = threading.Lock()  # handshakes are decoded on several threads
+
+
+def dumps_compact(obj: Any) -> bytes:
+    """WORKER SIDE: ``obj`` pickled, each large Box of uniform bounds as four numbers."""
+    buffer = io.BytesIO()
+    _CompactPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+class _CompactPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is not Box or obj.low.size < _COMPACT_MIN_SIZE:
+            return NotImplemented
+        key = _uniform_key(obj)
+        if key is None:
+            return NotImplemented
+        state = {name: value for name, value in vars(obj).items() if name not in _BOUNDS}
+        return uniform_box, (key, state)
+
+
+def _uniform_key(box: Box) -> tuple[Any, ...] | None:
+    """(shape, dtype, low, high) if a Box built from them equals ``box``, bounds included."""
+    low, high = box.low.flat[0].item(), box.high.flat[0].item()
+    if not ((box.low == low).all() and (box.high == high).all()):
+        return None
+    key = (box.shape, box.dtype.str, low, high)
+    probe = Box(low, high, (1,), box.dtype)
+    for name in ("bounded_below", "bounded_above"):  # -inf made the dtype's minimum, etc.
+        flags = getattr(box, name)
+        if not (flags == getattr(probe, name)[0]).all():
+            return None
+    return key
+
+
+def uniform_box(key: tuple[Any, ...], state: dict[str, Any]) -> Box:
+    """PARENT SIDE: the Box ``dumps_compact`` sent, its bounds shared with an equal one's."""
+    shape, dtype, low, high = key
+    with _rebuilt_lock:
+        like = _rebuilt.get(key)
+        if like is None:
+            box = Box(low, high, shape, np.dtype(dtype))
+            for name in _BOUNDS:
+                getattr(box, name).flags.writeable = False
+        else:
+            box = copy.copy(like)  # a new Box around the same (read-only) arrays
+        box.__dict__.update(state)  # its own generator, as pickling would restore it
+        _rebuilt[key] = box
+    return box
 
 
 def share_bounds(space: gym.Space[Any], like: gym.Space[Any]) -> None:

@@ -53,6 +53,7 @@ from multienv.runner import (
     package_failure,
 )
 from multienv.shared_memory import BatchLayout, SlotWriter
+from multienv.space_bounds import dumps_compact
 from multienv.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ def run_worker(
         return
     modules = _imported_since(before)
     _warm_up()
-    write_message(conn.fileno(), encode(Reply(descriptions, modules=modules)))
+    # Large uniform Box bounds travel as four numbers (``space_bounds``): Atari's frames
+    # would cost 400 KiB a worker to pickle, and the parent to unpickle and keep.
+    write_message(conn.fileno(), dumps_compact(Reply(descriptions, modules=modules)))
 
     is_closed_by_parent = False
     try:

@@ -506,6 +506,17 @@ class WideObsEnv(CountingEnv):
         self.observation_space = gym.spaces.Box(0, 2000, shape=(1,), dtype=np.float32)
 
 
+class FrameEnv(CountingEnv):
+    """A CountingEnv whose observation is a small RGB frame filled with the step count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observation_space = gym.spaces.Box(0, 255, shape=(32, 32, 3), dtype=np.uint8)
+
+    def _obs(self) -> np.ndarray:
+        return np.full((32, 32, 3), self.count, dtype=np.uint8)
+
+
 class SequenceObsEnv(CountingEnv):
     """A Sequence observation space: dynamic shape, which no shared memory can hold."""
 
