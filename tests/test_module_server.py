@@ -174,3 +174,40 @@ def test_bad_input_stops_before_the_probe_and_a_failing_env_0_leaves_no_worker()
         "True",
         "ok",
     ]
+
+
+_PROBE_SEGFAULTS_SCRIPT = """
+import os
+import numpy as np
+from multienv import MultiEnv, module_server
+from tests.conftest import live_workers
+from tests.envs import CountingEnv, _crash_once, segfault
+
+def make_env():
+    if _crash_once(os.environ["MARKER"]):  # the probe, the first to build env 0, crashes
+        segfault()
+    return CountingEnv()
+
+if True:  # run with -c: no script file for workers to import
+    n = len(os.sched_getaffinity(0)) + 1  # more workers than cores: a probe builds env 0
+    with MultiEnv([make_env] * n) as envs:
+        server = module_server.running()
+        assert server is not None  # the respawned probe reported the modules
+        parents = {int(open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[1])
+                   for p in envs.envs}
+        assert parents == {server._process.pid}, parents
+        assert [proxy.restarts for proxy in envs.envs] == [0] * n  # the probe's is its own
+        envs.reset(seed=0)
+        envs.step(np.zeros(n, dtype=np.int64))
+    assert live_workers() == [], live_workers()
+    print("ok")
+"""
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(60)
+def test_a_probe_that_segfaults_is_respawned_and_the_vector_still_shares(tmp_path):
+    done = run_python(["-c", _PROBE_SEGFAULTS_SCRIPT], env={"MARKER": str(tmp_path / "m")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ok"
+    assert (tmp_path / "m").exists()  # it did crash once
