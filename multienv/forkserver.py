@@ -53,29 +53,34 @@ PRELOAD = [
     "multienv.forkserver_preload",
 ]
 _lock = threading.Lock()
-_started_in_pid: int | None = None
-_preloaded: set[str] = set()  # the modules the running forkserver imported, or was told of
-_thread_env: dict[str, str] = {}  # the thread variables the running forkserver started with
+_configured_in_pid: int | None = None  # the process whose fork sources were configured
+_started_in_pid: int | None = None  # the process that started multiprocessing's forkserver
+_preloaded: list[str] = []  # the preload of this process's fork sources, or told of later
+_thread_env: dict[str, str] = {}  # the thread variables its fork sources start with
 
 
 def forkserver_context(
     preload: Sequence[str] = (), thread_env: Mapping[str, str] | None = None
 ) -> BaseContext:
-    """The forkserver context, with its server started (once per process) and preloaded.
+    """The forkserver context, with this process's fork sources configured (once).
+
+    The first call in a process fixes what the fork sources import and start with: the
+    module server (``multienv.module_server``), which the caller starts, and
+    multiprocessing's forkserver, which starts only if a worker needs it
+    (``ensure_running``).
 
     Args:
-        preload: Module names the forkserver imports before it forks any worker. Honoured
-            when this call starts the server; a later call naming other modules logs a
-            warning, and each worker imports them itself.
-        thread_env: Thread-count variables (``OMP_NUM_THREADS``, ...) the forkserver starts
-            with, so that the pools it preloads (numpy's) are born that size and its workers
-            need not resize them, which costs a forked worker about 13 ms here. Honoured
-            when this call starts the server; see ``forkserver_thread_env``.
+        preload: Module names the fork sources import before they fork any worker. Honoured
+            by the first call; a later call naming other modules logs a warning, and each
+            worker imports them itself.
+        thread_env: Thread-count variables (``OMP_NUM_THREADS``, ...) the fork sources start
+            with, so that the pools they preload (numpy's) are born that size and their
+            workers need not resize them, which costs a forked worker about 13 ms here.
+            Honoured by the first call; see ``forkserver_thread_env``.
     """
-    global _started_in_pid  # noqa: PLW0603 - one forkserver per process, so one flag
-    ctx = multiprocessing.get_context("forkserver")
+    global _configured_in_pid  # noqa: PLW0603 - one configuration per process, so one flag
     with _lock:
-        if _started_in_pid == os.getpid():
+        if _configured_in_pid == os.getpid():
             missing = [name for name in preload if name not in _preloaded]
             if missing:
                 logger.warning(
@@ -84,14 +89,35 @@ def forkserver_context(
                     "env this process starts",
                     missing,
                 )
-                _preloaded.update(missing)  # warn once per module
-            return ctx
+                _preloaded.extend(missing)  # warn once per module
+        else:
+            _configured_in_pid = os.getpid()
+            _preloaded[:] = preload
+            _thread_env.clear()
+            _thread_env.update(thread_env or {})
+    return multiprocessing.get_context("forkserver")
+
+
+def ensure_running() -> None:
+    """Start multiprocessing's forkserver, as configured, for a worker it must start.
+
+    That is a worker the module server cannot fork (``multienv.process_launch``). Nothing
+    happens if this process configured no fork sources (a context of the caller's own).
+    """
+    global _started_in_pid  # noqa: PLW0603 - one forkserver per process, so one flag
+    with _lock:
+        if _configured_in_pid != os.getpid() or _started_in_pid == os.getpid():
+            return
+        ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
-        variables = {MODULES_VARIABLE: ",".join(preload), TEMP_DIR_VARIABLE: util.get_temp_dir()}
-        main_path = spawn.get_preparation_data("ignore").get("init_main_from_path")
+        variables = {
+            MODULES_VARIABLE: ",".join(_preloaded),
+            TEMP_DIR_VARIABLE: util.get_temp_dir(),
+        }
+        main_path = main_script_path()
         if main_path is not None:
             variables[MAIN_PATH_VARIABLE] = main_path
-        variables.update(thread_env or {})
+        variables.update(_thread_env)
         previous = {name: os.environ.get(name) for name in variables}
         os.environ.update(variables)
         try:
@@ -103,14 +129,21 @@ def forkserver_context(
                 else:
                     os.environ[name] = value
         _started_in_pid = os.getpid()
-        _preloaded.clear()
-        _preloaded.update(preload)
-        _thread_env.clear()
-        _thread_env.update(thread_env or {})
-    return ctx
+
+
+def main_script_path() -> str | None:
+    """The path of the user's script, for a fork source to import; None under ``python -m``."""
+    path = spawn.get_preparation_data("ignore").get("init_main_from_path")
+    return None if path is None else str(path)
 
 
 def forkserver_thread_env() -> dict[str, str] | None:
-    """The thread variables this process's forkserver started with; None if not running."""
+    """The thread variables this process's fork sources start with; None if unconfigured."""
     with _lock:
-        return dict(_thread_env) if _started_in_pid == os.getpid() else None
+        return dict(_thread_env) if _configured_in_pid == os.getpid() else None
+
+
+def configured_preload() -> tuple[str, ...]:
+    """The ``preload`` this process's fork sources import (empty if unconfigured)."""
+    with _lock:
+        return tuple(_preloaded) if _configured_in_pid == os.getpid() else ()

@@ -1,27 +1,29 @@
-"""PARENT SIDE and the MODULE SERVER: workers fork from a process that has the env's modules.
+"""PARENT SIDE: the module server, the process that daemon workers fork from.
 
-The forkserver preloads numpy, gymnasium and the user's script, but not what the env
-factories import when they run (``gym.make("HalfCheetah-v5")`` imports mujoco and
-Gymnasium's MuJoCo modules). Each worker then imports those into private memory: about 15
-MiB per HalfCheetah worker. So the first worker of a process (or a probe that builds env 0
-alone, for a vector with more workers than cores) reports the modules its envs
-imported (``Reply.modules``), and the parent starts a *module server*: a process forked from
-the forkserver (numpy and gymnasium already in it) that imports those modules and then
-forks workers on request. Workers started after that (the rest of a vector, respawns,
-recycles, later vectors) share the modules' pages and skip the imports.
+Workers start from a server process that imports numpy, gymnasium, multienv's worker, the
+``preload`` option's modules and the user's script once (``multienv.fork_source``), so a
+worker or a respawn is a cheap fork that shares those pages. It is a fresh Python, spawned
+by the first vector (or by ``multienv.start_forkserver()``) and kept for the process's
+life; what runs in it, and the wire, is ``multienv.module_server_process``.
 
-It stays safe to fork from: it imports modules and builds no env; it refuses to serve
-(and the parent keeps using the forkserver) if the imports started a thread. Before it
-forks, it warms the worker's first-time code paths and freezes the garbage collector
-(``worker.prepare_to_fork_workers``). It watches the parent's pid and exits when the parent
-dies; its workers die with it (``PR_SET_PDEATHSIG``), whichever way it ends, and if it dies
-while the parent lives they are respawned from the forkserver.
+It also learns the env's own modules, which the factories import only when they run
+(``gym.make("HalfCheetah-v5")`` imports mujoco and Gymnasium's MuJoCo modules): the first
+worker of a process (or a probe that builds env 0 alone, for a vector with more workers
+than cores) reports the modules its envs imported (``Reply.modules``), and the server
+imports them before it forks the next worker. Workers started after that (the rest of a
+vector, respawns, recycles, later vectors) share them and skip the imports: about 15 MiB
+per HalfCheetah worker.
 
-Wire, over a ``SOCK_SEQPACKET`` pair: the parent sends one pickled ``WorkerArgs`` with three
-fds (the worker's pipe end, its stderr pipe, the write end of a status pipe); the server
-answers with the child's pid, and writes the child's exit status into its status pipe
-when it reaps it. The parent's ``ServedProcess`` reads that pipe, so it behaves like a
-``multiprocessing.Process`` for the handle: ``sentinel``, ``exitcode``, ``join``, ``kill``.
+It stays safe to fork from: it builds no env, and it refuses to serve if its imports
+started a thread. It watches the parent's pid and exits when the parent dies; its workers
+die with it (``PR_SET_PDEATHSIG``), whichever way it ends. Workers it cannot fork (it
+refused or died, non-daemon workers, factories larger than one request) start from
+multiprocessing's forkserver instead (``multienv.forkserver``), which starts only then:
+without it, a process runs no forkserver and no resource tracker, two Python processes
+that cost about 17 MiB.
+
+``ServedProcess`` behaves like a ``multiprocessing.Process`` for the handle: ``sentinel``
+(the status pipe the server writes the exit status to), ``exitcode``, ``join``, ``kill``.
 """
 
 from __future__ import annotations
@@ -34,164 +36,29 @@ import pickle
 import select
 import signal
 import socket
-import struct
+import subprocess
 import sys
 import threading
-import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from multiprocessing import spawn
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
-from typing import Any
 
-from multienv.protocol import OwnerWatch, worker_main, worker_module
+from multienv import forkserver
+from multienv.fork_source import check_not_bootstrapping
+from multienv.module_server_process import (
+    BOOTSTRAP,
+    MAX_REQUEST,
+    READY,
+    STATUS,
+    ImportRequest,
+    ServerStart,
+    WorkerArgs,
+)
 
 logger = logging.getLogger(__name__)
 
-_STATUS = struct.Struct("<i")  # an exit status: the code, or minus the signal
-_READY = b"ready"
-_REFUSED = b"refused"
-_START_TIMEOUT_S = 60.0  # importing the env's modules in the server
-_MAX_REQUEST = 64 * 1024  # bytes; one datagram. Larger factories start from the forkserver
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerArgs:
-    """``worker_main``'s arguments but the two pipe ends, which travel as fds."""
-
-    env_fn_bytes: list[bytes]
-    env_index: int
-    parent_pid: int
-    settings: Any
-
-
-# ----------------------------------------------------------------- the server process
-
-
-def serve(server_end: Any, modules: Sequence[str], owner_pid: int) -> None:
-    """The module server: import ``modules``, then fork a worker per request until EOF.
-
-    It exits when its owner (the parent) dies, and its workers with it: they ask for
-    PR_SET_PDEATHSIG, and run no thread of their own to watch the owner.
-    """
-    sock: socket.socket = server_end
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C, as in workers
-    try:
-        owner_fd = os.pidfd_open(owner_pid)
-    except ProcessLookupError:
-        return
-    except (AttributeError, OSError):  # no pidfd: each worker watches the owner itself
-        owner_fd = -1
-    for name in modules:
-        try:
-            __import__(name)
-        except BaseException:  # noqa: BLE001 - a module that fails is imported by each worker
-            logger.debug("module server: importing %s failed", name)
-    if threading.active_count() > 1:  # a thread would be copied half-way into every worker
-        sock.send(_REFUSED)
-        return
-    worker_module().prepare_to_fork_workers()
-    sock.send(_READY)
-    status_fds: dict[int, int] = {}
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    sock_fd = sock.fileno()
-    watched = [sock_fd, wake_r] + ([owner_fd] if owner_fd >= 0 else [])
-    while True:
-        ready, _, _ = select.select(watched, [], [])
-        if owner_fd in ready:
-            return  # the owner died; PR_SET_PDEATHSIG ends the workers
-        if wake_r in ready:
-            os.read(wake_r, 4096)
-        _reap(status_fds)
-        if sock_fd not in ready:
-            continue
-        message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
-        if not message:
-            return  # the parent closed it
-        args: WorkerArgs = pickle.loads(message)
-        child_fd, stderr_fd, status_fd = fds
-        server_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            server_fds = [wake_r, wake_w, status_fd, *status_fds.values()]
-            if owner_fd >= 0:
-                server_fds.append(owner_fd)
-            _run_child(sock, server_fds, child_fd, stderr_fd, args, (server_pid, owner_fd >= 0))
-        os.close(child_fd)
-        os.close(stderr_fd)
-        status_fds[pid] = status_fd
-        sock.send(_STATUS.pack(pid))
-
-
-def _reap(status_fds: dict[int, int]) -> None:
-    """Write the exit status of every child that ended into its status pipe."""
-    while status_fds:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        fd = status_fds.pop(pid, None)
-        if fd is not None:
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            try:
-                os.write(fd, _STATUS.pack(code))
-            finally:
-                os.close(fd)
-
-
-def _watch_in_child(server_pid: int, is_watching: bool) -> OwnerWatch:
-    """In the forked worker: die with the server; how it watches its owner (``OwnerWatch``).
-
-    Without a pidfd of the owner in the server, the worker's own thread watches the owner.
-    """
-    if worker_module().exit_with_direct_parent(server_pid) and is_watching:
-        return OwnerWatch.SERVER
-    return OwnerWatch.THREAD
-
-
-def _run_child(
-    sock: socket.socket,
-    server_fds: list[int],
-    child_fd: int,
-    stderr_fd: int,
-    args: WorkerArgs,
-    server: tuple[int, bool],
-) -> None:
-    """In the forked worker: drop the server's fds and signal set-up, then run the worker.
-
-    ``server``: the server's pid, and whether it watches the owner.
-    """
-    code = 1
-    try:
-        watch = _watch_in_child(*server)
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        sock.close()
-        for fd in server_fds:
-            os.close(fd)
-        worker_main(
-            Connection(child_fd),
-            Connection(stderr_fd, readable=False),
-            args.env_fn_bytes,
-            args.env_index,
-            args.parent_pid,
-            watch,
-            args.settings,
-        )
-        code = 0
-    except BaseException:  # noqa: BLE001 - reported on the worker's stderr, then the exit code
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-# ----------------------------------------------------------------- the parent's side
+_START_TIMEOUT_S = 60.0  # the server's imports: numpy, gymnasium, the script, an env's modules
 
 
 class ServedProcess:
@@ -219,10 +86,10 @@ class ServedProcess:
         """The exit status once the worker ended (minus the signal that killed it), else None."""
         if self._exitcode is None and self.sentinel >= 0:
             if select.select([self.sentinel], [], [], 0)[0]:
-                data = os.read(self.sentinel, _STATUS.size)
+                data = os.read(self.sentinel, STATUS.size)
                 # No status: the server died, and its workers with it (PR_SET_PDEATHSIG).
                 self._exitcode = (
-                    _STATUS.unpack(data)[0] if len(data) == _STATUS.size else -signal.SIGKILL
+                    STATUS.unpack(data)[0] if len(data) == STATUS.size else -signal.SIGKILL
                 )
         return self._exitcode
 
@@ -266,40 +133,74 @@ class ModuleServer:
     """The parent's end of a running module server.
 
     Args:
-        context: The forkserver context the server is forked from.
-        modules: The module names it imports.
+        preload: More modules for it to import (the ``preload`` option).
+        thread_env: Thread-count variables it starts with (see ``forkserver_context``).
     """
 
-    def __init__(self, context: BaseContext, modules: Sequence[str]) -> None:
-        """Start the server and wait until it has imported the modules.
+    def __init__(self, preload: Sequence[str], thread_env: Mapping[str, str]) -> None:
+        """Spawn the server; it imports while the caller goes on (``wait_ready`` waits).
 
         Raises:
-            OSError: It died, refused to serve, or took too long.
+            OSError: It could not be spawned.
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         self._lock = threading.Lock()
-        self._process = context.Process(  # type: ignore[attr-defined]
-            target=serve,
-            args=(theirs, list(modules), os.getpid()),
-            name="multienv-modules",
-            daemon=True,
-        )
+        self._is_ready = False
+        self.thread_env = dict(thread_env)
+        flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
         try:
-            self._process.start()
+            self._process = subprocess.Popen(
+                [spawn.get_executable(), *flags, "-c", BOOTSTRAP, str(theirs.fileno()), *sys.path],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **thread_env},
+            )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
-        ours.settimeout(_START_TIMEOUT_S)
+        start = ServerStart(list(preload), forkserver.main_script_path(), sys.argv, os.getpid())
         try:
-            answer = ours.recv(64)
+            ours.send(pickle.dumps(start, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError:
-            answer = b""
-        ours.settimeout(None)
-        if answer != _READY:
             self.close()
-            raise OSError(f"the module server did not start ({answer!r})")
-        self.modules = tuple(modules)
-        atexit.register(ours.close)  # the server exits at EOF
+            raise
+        atexit.register(self.close)  # the server exits at EOF; reaped, it warns of nothing
+
+    def wait_ready(self) -> None:
+        """Wait until the server has imported everything and serves.
+
+        Raises:
+            OSError: It died, refused to serve, or took too long.
+        """
+        if not self._is_ready:
+            self._is_ready = self._answer() == READY
+            if not self._is_ready:
+                raise OSError("the module server did not start")
+
+    def import_modules(self, modules: Sequence[str]) -> None:
+        """Have the server import ``modules``, so that the workers it forks next share them.
+
+        Raises:
+            OSError: It refused (the imports started a thread) and exits, or it is gone.
+        """
+        request = pickle.dumps(ImportRequest(list(modules)), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._sock.send(request)
+            if self._answer() != READY:
+                raise OSError("the module server refused the env's modules")
+
+    def _answer(self) -> bytes:
+        """The server's next short answer, or b"" if it is gone or took too long."""
+        self._sock.settimeout(_START_TIMEOUT_S)
+        try:
+            return self._sock.recv(64)
+        except OSError:
+            return b""
+        finally:
+            self._sock.settimeout(None)
 
     def launch(
         self, child_conn: Connection, stderr_write: Connection, args: WorkerArgs, name: str
@@ -313,7 +214,7 @@ class ModuleServer:
             OSError: The server is gone (the caller falls back to the forkserver).
         """
         request = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(request) > _MAX_REQUEST:
+        if len(request) > MAX_REQUEST:
             return None
         status_r, status_w = os.pipe()
         try:
@@ -321,38 +222,40 @@ class ModuleServer:
                 socket.send_fds(
                     self._sock, [request], [child_conn.fileno(), stderr_write.fileno(), status_w]
                 )
-                answer = self._sock.recv(_STATUS.size)
+                answer = self._sock.recv(STATUS.size)
         except BaseException:
             os.close(status_r)
             raise
         finally:
             os.close(status_w)
-        if len(answer) != _STATUS.size:
+        if len(answer) != STATUS.size:
             os.close(status_r)
             raise OSError("the module server is gone")
-        return ServedProcess(_STATUS.unpack(answer)[0], status_r, name)
+        return ServedProcess(STATUS.unpack(answer)[0], status_r, name)
 
     def is_alive(self) -> bool:
         """Whether the server process still runs."""
-        return bool(self._process.is_alive())
+        return self._process.poll() is None
 
     def close(self) -> None:
         """Stop the server (its workers exit with it)."""
         self._sock.close()
-        self._process.join(1.0)
-        if self._process.is_alive():
+        try:
+            self._process.wait(1.0)
+        except subprocess.TimeoutExpired:
             self._process.kill()
-            self._process.join(1.0)
+            self._process.wait(1.0)
 
 
 @dataclasses.dataclass
 class _ProcessState:
-    """This process's module server: what the first report asked for, and the server."""
+    """This process's module server, and the env modules the first report asked for."""
 
     pid: int = -1  # the process it belongs to (a forked child starts afresh)
-    learned: tuple[BaseContext, list[str]] | None = None
     server: ModuleServer | None = None
-    tried: bool = False
+    has_failed: bool = False  # it could not start, or refused: workers use the forkserver
+    learned: list[str] | None = None
+    tried: bool = False  # the learned modules were sent to the server (or it had failed)
 
 
 _lock = threading.Lock()
@@ -361,9 +264,43 @@ _state = _ProcessState()
 
 def _here() -> _ProcessState:
     """The state of this process, forgetting the one of a process it was forked from."""
+    global _state  # noqa: PLW0603 - one module server per process
     if _state.pid != os.getpid():
-        _state.pid, _state.learned, _state.server, _state.tried = os.getpid(), None, None, False
+        _state = _ProcessState(pid=os.getpid())
     return _state
+
+
+def start() -> None:
+    """Spawn this process's module server now, unless it runs (or failed); do not wait.
+
+    It starts as ``forkserver_context`` configured this process's fork sources.
+
+    Raises:
+        RuntimeError: This process is a fork source importing the user's script, and the
+            script starts envs at its top level.
+    """
+    check_not_bootstrapping()
+    with _lock:
+        _start(_here())
+
+
+def _start(state: _ProcessState) -> None:
+    if state.server is None and not state.has_failed:
+        try:
+            state.server = ModuleServer(
+                forkserver.configured_preload(), forkserver.forkserver_thread_env() or {}
+            )
+        except OSError as exc:
+            state.has_failed = True
+            logger.warning("module server: %s; workers start from the forkserver", exc)
+
+
+def _give_up(state: _ProcessState, exc: OSError) -> None:
+    """The server failed: close it; every later worker starts from the forkserver."""
+    logger.warning("module server: %s; workers start from the forkserver", exc)
+    if state.server is not None:
+        state.server.close()
+    state.server, state.has_failed = None, True
 
 
 def running() -> ModuleServer | None:
@@ -374,7 +311,7 @@ def running() -> ModuleServer | None:
 
 
 def has_tried() -> bool:
-    """Whether this process started (or tried to start) its module server."""
+    """Whether this process's module server was sent the env modules a worker reported."""
     with _lock:
         return _here().tried
 
@@ -382,32 +319,44 @@ def has_tried() -> bool:
 def learn(context: BaseContext, modules: Sequence[str] | None, wait: bool) -> None:
     """A worker reported the modules its envs imported; the first report in a process counts.
 
-    Only for workers started from the forkserver. ``wait``: start the server now (the first
-    worker of a vector whose other workers wait for it). Otherwise it starts with the next
-    worker launched (a respawn, a recycle, a later vector), so that a process whose workers
-    all started already does not hold a server nobody forks from.
+    Only for workers started from the forkserver context. ``wait``: send them to the server
+    now (a probe, whose vector's workers wait for it). Otherwise the server imports them
+    before it forks the next worker (a respawn, a recycle, a later vector).
     """
     if context.get_start_method() != "forkserver" or not modules:
         return
     with _lock:
         state = _here()
         if state.learned is None:
-            state.learned = (context, list(modules))
+            state.learned = list(modules)
     if wait:
         for_launch()
 
 
 def for_launch() -> ModuleServer | None:
-    """The server to fork the next worker from: started now if modules were reported."""
+    """The server to fork the next worker from, ready and with the learned modules; or None.
+
+    Spawns it if this process has none yet (as ``forkserver_context`` configured it, or
+    with no preload for a context of the caller's own).
+
+    Raises:
+        RuntimeError: This process is a fork source importing the user's script, and the
+            script starts envs at its top level.
+    """
+    check_not_bootstrapping()
     with _lock:
         state = _here()
-        if not state.tried and state.learned is not None:
-            state.tried = True
-            context, modules = state.learned
-            try:
-                state.server = ModuleServer(context, modules)
-                logger.info("module server: started with %d modules", len(modules))
-            except OSError as exc:
-                logger.warning("module server: %s; workers import their env's modules", exc)
+        _start(state)
         server = state.server
-    return server if server is not None and server.is_alive() else None
+        if server is None:
+            return None
+        try:
+            server.wait_ready()
+            if state.learned is not None and not state.tried:
+                state.tried = True
+                server.import_modules(state.learned)
+                logger.info("module server: imported %d modules", len(state.learned))
+        except OSError as exc:
+            _give_up(state, exc)
+            return None
+    return server if server.is_alive() else None

@@ -24,9 +24,10 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import send_handle
 from typing import Any
 
-from multienv import framing, module_server
+from multienv import forkserver, framing, module_server
 from multienv.framing import MessageReader, decode, encode
 from multienv.handles import Death
+from multienv.module_server_process import WorkerArgs
 from multienv.process_reaper import PIPE_ERRORS, stop_process
 from multienv.protocol import Command, OwnerWatch, Reply, Request, worker_main
 from multienv.worker_settings import WorkerSettings
@@ -78,7 +79,7 @@ class WorkerRecipe:
     is_probe: bool = False
 
     def launch(self) -> Launched:
-        """Start the process (from the module server when one runs) and its stderr pump."""
+        """Start the process (from the module server when it can) and its stderr pump."""
         parent_conn, child_conn = self.context.Pipe()
         stderr_read, stderr_write = self.context.Pipe(duplex=False)
         try:
@@ -100,14 +101,14 @@ class WorkerRecipe:
         )
 
     def _start(self, child_conn: Connection, stderr_write: Connection) -> Any:
-        """Fork the worker from the module server if one runs, else start it from the context."""
+        """Fork the worker from the module server if it can, else start it from the context."""
         name = f"multienv-worker-{self.env_index}"
         is_forkserver = self.context.get_start_method() == "forkserver"
         # Daemon workers only: a served worker cannot start processes of its own.
         server = module_server.for_launch() if self.daemon and is_forkserver else None
         if server is not None:
-            args = module_server.WorkerArgs(
-                list(self.env_fn_bytes), self.env_index, os.getpid(), self.settings
+            args = WorkerArgs(
+                list(self.env_fn_bytes), self.env_index, os.getpid(), self.settings, os.getcwd()
             )
             try:
                 served = server.launch(child_conn, stderr_write, args, name)
@@ -115,6 +116,8 @@ class WorkerRecipe:
                     return served
             except OSError as exc:  # the server died: the forkserver still works
                 logger.warning("env %d: module server failed (%s); forkserver", self.env_index, exc)
+        if is_forkserver:
+            forkserver.ensure_running()  # multiprocessing's, started only when needed
         process = self.context.Process(  # type: ignore[attr-defined]
             target=worker_main,
             args=(

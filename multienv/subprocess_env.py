@@ -56,7 +56,9 @@ def resolve_context(
         return context
     name = context or ("forkserver" if sys.platform.startswith("linux") else "spawn")
     if name == "forkserver":
-        return forkserver_context(preload, thread_env)
+        resolved = forkserver_context(preload, thread_env)
+        module_server.start()
+        return resolved
     return multiprocessing.get_context(name)
 
 
@@ -87,6 +89,7 @@ def start_forkserver(preload: Sequence[str] = (), *, blas_threads: int | None = 
     names = _checked_preload(preload, "start_forkserver()")
     settings = WorkerSettings.decide(blas_threads, False, 0, 0)
     forkserver_context(names, settings.thread_env)
+    module_server.start()
 
 
 def _checked_preload(preload: Sequence[str], owner: str) -> tuple[str, ...]:

@@ -155,7 +155,7 @@ if True:  # run with -c: no script file for workers to import
     except EnvError as exc:
         print(exc.env_index, type(exc).__name__, "cannot build this env" in str(exc))
     assert live_workers() == [], live_workers()
-    assert module_server.running() is None  # the probe reported no modules
+    assert not module_server.has_tried()  # the probe reported no modules to import
     with MultiEnv([CountingEnv] * n) as envs:  # the next vector probes again, and shares
         assert module_server.running() is not None
         envs.reset(seed=0)
@@ -211,3 +211,45 @@ def test_a_probe_that_segfaults_is_respawned_and_the_vector_still_shares(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "ok"
     assert (tmp_path / "m").exists()  # it did crash once
+
+
+_NO_FORKSERVER_SCRIPT = """
+import json, os
+import numpy as np
+from multienv import MultiEnv, module_server
+from multienv.procfs import process_table
+from tests.envs import CountingEnv
+
+if True:  # run with -c: no script file for workers to import
+    n = len(os.sched_getaffinity(0))  # no probe: the first workers fork at once
+    with MultiEnv([CountingEnv] * n) as envs:
+        envs.reset(seed=0)
+        os.chdir(os.environ["ELSEWHERE"])
+        with MultiEnv([CountingEnv]) as later:  # forked after the parent moved
+            later.reset(seed=0)
+            table = process_table()
+            cmdlines = {}
+            for pid, entry in table.items():
+                if entry.ppid == os.getpid():
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmdlines[pid] = f.read().decode(errors="replace")
+            print(json.dumps({
+                "server": module_server.running()._process.pid,
+                "children": cmdlines,
+                "worker_parents": [table[p.pid].ppid for p in envs.envs + later.envs],
+                "cwd_of_later": os.readlink(f"/proc/{later.envs[0].pid}/cwd"),
+            }))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_fork_from_the_module_server_alone_in_the_parents_current_directory(tmp_path):
+    # No multiprocessing forkserver and no resource tracker: two Python processes less.
+    done = run_python(["-c", _NO_FORKSERVER_SCRIPT], env={"ELSEWHERE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    children = report["children"]
+    assert [int(pid) for pid in children] == [report["server"]], children
+    assert not any("forkserver" in cmd or "resource_tracker" in cmd for cmd in children.values())
+    assert set(report["worker_parents"]) == {report["server"]}
+    assert report["cwd_of_later"] == str(tmp_path)

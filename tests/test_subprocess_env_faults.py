@@ -345,17 +345,24 @@ def run_script(body, **popen):
     )
 
 
-@pytest.mark.parametrize("envs_per_worker", [1, 3], ids=["k1", "k3"])
+@pytest.mark.parametrize(
+    ("envs_per_worker", "daemon"),
+    [(1, True), (3, True), (1, False)],
+    ids=["k1", "k3", "k1-forkserver"],
+)
 def test_workers_exit_within_2_s_when_parent_is_sigkilled_and_leave_no_temp_dir(
-    tmp_path, envs_per_worker
+    tmp_path, envs_per_worker, daemon
 ):
+    # Daemon workers fork from the module server, which makes no temporary files. Other
+    # workers start from multiprocessing's forkserver, whose socket lives in a pymp-* dir
+    # that must not outlive the parent either.
     child = run_script(
         f"""
         import time
         from multienv import MultiEnv
         from tests.envs import CountingEnv
         if __name__ == "__main__":
-            envs = MultiEnv([CountingEnv] * 3, envs_per_worker={envs_per_worker})
+            envs = MultiEnv([CountingEnv] * 3, envs_per_worker={envs_per_worker}, daemon={daemon})
             print(" ".join(str(e.pid) for e in envs.envs), flush=True)
             time.sleep(60)
         """,
@@ -364,7 +371,7 @@ def test_workers_exit_within_2_s_when_parent_is_sigkilled_and_leave_no_temp_dir(
     try:
         pids = sorted({int(p) for p in child.stdout.readline().split()})
         assert len(pids) == 3 // envs_per_worker
-        assert [p.name for p in tmp_path.glob("pymp-*")]  # the forkserver's socket lives here
+        assert bool(list(tmp_path.glob("pymp-*"))) == (not daemon)
         os.kill(child.pid, signal.SIGKILL)
         child.wait(5)
         assert wait_gone(pids, within_s=2.0), [p for p in pids if not is_gone(p)]

@@ -1,0 +1,230 @@
+"""THE MODULE SERVER'S PROCESS: a fresh Python that imports once and forks workers on request.
+
+``multienv.module_server`` (the parent's side) explains what it is for. This module is what
+runs in it, and the wire both sides speak over a ``SOCK_SEQPACKET`` pair:
+
+1. The parent spawns ``python -c`` with ``BOOTSTRAP``, passing its end of the pair and its
+   ``sys.path``, and sends one pickled ``ServerStart``. The server imports numpy,
+   gymnasium, multienv's worker, the ``preload`` modules and the user's script, warms and
+   freezes what workers inherit, and answers ``READY``: or ``REFUSED`` if the imports
+   started a thread, which would be copied half-way into every worker.
+2. ``ImportRequest``: the modules a worker's envs imported (``Reply.modules``); the server
+   imports them so that later workers share them, and answers ``READY`` or ``REFUSED``
+   (then it exits).
+3. ``WorkerArgs`` with three fds (the worker's pipe end, its stderr pipe, the write end of
+   a status pipe): the server forks the worker and answers with its pid. When it reaps the
+   child, it writes its exit status (the code, or minus the signal) into the status pipe.
+
+It builds no env. It watches the parent through a pidfd and exits when the parent dies;
+its workers die with it (``PR_SET_PDEATHSIG``), and run no thread of their own to watch the
+parent. It exits at EOF on its socket, when the parent closes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from multienv.fork_source import import_main, import_modules
+from multienv.protocol import OwnerWatch, worker_main, worker_module
+
+logger = logging.getLogger(__name__)
+
+STATUS = struct.Struct("<i")  # a pid, or an exit status: the code, or minus the signal
+READY = b"ready"
+REFUSED = b"refused"
+MAX_REQUEST = 64 * 1024  # bytes; one datagram. Larger factories start from the forkserver
+BOOTSTRAP = (
+    "import sys; sys.path[:] = sys.argv[2:]; "
+    "from multienv.module_server_process import main; main(int(sys.argv[1]))"
+)
+BASE_MODULES = ("numpy", "gymnasium", "cloudpickle", "multienv.worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerStart:
+    """What the server imports and who owns it: the parent's first message."""
+
+    preload: list[str]
+    main_path: str | None  # the user's script, imported as multiprocessing would
+    argv: list[str]  # the parent's sys.argv, which the script may read at its top level
+    owner_pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportRequest:
+    """Modules for the server to import before it forks more workers."""
+
+    modules: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerArgs:
+    """``worker_main``'s arguments but the two pipe ends, which travel as fds."""
+
+    env_fn_bytes: list[bytes]
+    env_index: int
+    parent_pid: int
+    settings: Any
+    cwd: str  # the parent's working directory now: a worker starts in it
+
+
+def main(fd: int) -> None:
+    """The server process: set up from the parent's ``ServerStart``, then serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C, as in workers
+    sock = socket.socket(fileno=fd)
+    start: ServerStart = pickle.loads(sock.recv(1 << 20))
+    sys.argv[:] = start.argv
+    import_modules([*BASE_MODULES, *start.preload])
+    # A script that failed here fails again in each worker, which reports it.
+    main_failed = None if import_main(start.main_path) else start.main_path
+    if threading.active_count() > 1:
+        sock.send(REFUSED)
+        return
+    worker_module().prepare_to_fork_workers()
+    sock.send(READY)
+    serve(sock, start.owner_pid, main_failed)
+
+
+def serve(sock: socket.socket, owner_pid: int, main_failed: str | None) -> None:
+    """Answer the parent's requests until EOF, or until the owner dies."""
+    try:
+        owner_fd = os.pidfd_open(owner_pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd: each worker watches the owner itself
+        owner_fd = -1
+    status_fds: dict[int, int] = {}
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sock_fd = sock.fileno()
+    watched = [sock_fd, wake_r] + ([owner_fd] if owner_fd >= 0 else [])
+    while True:
+        ready, _, _ = select.select(watched, [], [])
+        if owner_fd in ready:
+            return  # the owner died; PR_SET_PDEATHSIG ends the workers
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        _reap(status_fds)
+        if sock_fd not in ready:
+            continue
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+        if not message:
+            return  # the parent closed it
+        request = pickle.loads(message)
+        if isinstance(request, ImportRequest):
+            import_modules(request.modules)
+            if threading.active_count() > 1:
+                sock.send(REFUSED)
+                return
+            worker_module().prepare_to_fork_workers()
+            sock.send(READY)
+            continue
+        child_fd, stderr_fd, status_fd = fds
+        server_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            server_fds = [wake_r, wake_w, status_fd, *status_fds.values()]
+            if owner_fd >= 0:
+                server_fds.append(owner_fd)
+            _run_child(
+                sock,
+                server_fds,
+                (child_fd, stderr_fd),
+                request,
+                (server_pid, owner_fd >= 0),
+                main_failed,
+            )
+        os.close(child_fd)
+        os.close(stderr_fd)
+        status_fds[pid] = status_fd
+        sock.send(STATUS.pack(pid))
+
+
+def _reap(status_fds: dict[int, int]) -> None:
+    """Write the exit status of every child that ended into its status pipe."""
+    while status_fds:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        fd = status_fds.pop(pid, None)
+        if fd is not None:
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            try:
+                os.write(fd, STATUS.pack(code))
+            finally:
+                os.close(fd)
+
+
+def _watch_in_child(server_pid: int, is_watching: bool) -> OwnerWatch:
+    """In the forked worker: die with the server; how it watches its owner (``OwnerWatch``).
+
+    Without a pidfd of the owner in the server, the worker's own thread watches the owner.
+    """
+    if worker_module().exit_with_direct_parent(server_pid) and is_watching:
+        return OwnerWatch.SERVER
+    return OwnerWatch.THREAD
+
+
+def _run_child(
+    sock: socket.socket,
+    server_fds: Sequence[int],
+    pipes: tuple[int, int],
+    args: WorkerArgs,
+    server: tuple[int, bool],
+    main_failed: str | None,
+) -> None:
+    """In the forked worker: drop the server's fds and signal set-up, then run the worker.
+
+    ``pipes``: the worker's pipe end and its stderr pipe. ``server``: the server's pid, and
+    whether it watches the owner. ``main_failed``: the user's script, if it raised in the
+    server: the worker imports it again and reports what it raises, as it would under
+    multiprocessing.
+    """
+    code = 1
+    child_fd, stderr_fd = pipes
+    try:
+        watch = _watch_in_child(*server)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock.close()
+        for fd in server_fds:
+            os.close(fd)
+        if args.cwd != os.getcwd():
+            os.chdir(args.cwd)
+        if main_failed is not None:
+            os.dup2(stderr_fd, 2)  # the traceback reaches the parent's crash report
+            import_main(main_failed, is_raising=True)
+        worker_main(
+            Connection(child_fd),
+            Connection(stderr_fd, readable=False),
+            args.env_fn_bytes,
+            args.env_index,
+            args.parent_pid,
+            watch,
+            args.settings,
+        )
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported on the worker's stderr, then the exit code
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
