@@ -1,28 +1,29 @@
-"""PARENT AND FORKSERVER: the forkserver that workers fork from, with the user's script in it.
+"""PARENT AND FORKSERVER: multiprocessing's forkserver, for workers the module server cannot fork.
 
-Workers start from multiprocessing's forkserver, which imports numpy, gymnasium and our
-worker module once, so a worker or a respawn is a cheap fork. It should also import the
-user's main script (``"__main__"`` in the preload list), but on CPython 3.11 and 3.12 it
-never does (gh-126631, fixed only in later 3.13 and 3.14 releases): the path it needs is
-passed under a key that was renamed long ago. Every worker then runs the script's top level
-again, with all its imports. A script that imports torch costs each worker about 150 MiB of
-private memory that way.
+Daemon workers fork from multienv's module server (``multienv.module_server``). The others
+(``daemon=False``, factories too large for one request, every worker after the server
+refused or died) start from multiprocessing's forkserver, which starts only then
+(``ensure_running``), with multiprocessing's resource tracker. ``forkserver_context``
+configures both fork sources of a process once: the ``preload`` modules and the thread
+variables they start with.
+
+The forkserver imports numpy, gymnasium and our worker module once, so a worker is a cheap
+fork. It should also import the user's main script (``"__main__"`` in the preload list),
+but on CPython 3.11 and 3.12 it never does (gh-126631, fixed only in later 3.13 and 3.14
+releases): the path it needs is passed under a key that was renamed long ago. Every worker
+would then run the script's top level again, with all its imports: a script that imports
+torch would cost each worker about 150 MiB of private memory.
 
 So the parent passes the script's path in an environment variable while the forkserver
 starts, and ``multienv.forkserver_preload``, preloaded last, imports the script there as
-``__mp_main__``, the way multiprocessing would. Workers find it already imported and skip
-it. A script read from stdin has no file to import; workers used to fail trying, and now
-skip it too (its env factories travel by value with cloudpickle anyway). Scripts run with
+``__mp_main__``, the way multiprocessing would (``multienv.fork_source``). Workers find it
+already imported and skip it. A script read from stdin has no file to import; workers skip
+it too (its env factories travel by value with cloudpickle anyway). Scripts run with
 ``python -m`` are imported by name and are left as multiprocessing handles them.
 
 The forkserver also removes the parent's ``pymp-*`` temporary directory (which holds its
 socket) when it exits, as it does once the parent is gone: a parent killed by SIGKILL never
 runs the clean-up that would remove it.
-
-The same module imports the modules named in the ``preload`` option (an env's package, such
-as ``gymnasium.envs.classic_control`` or ``ale_py``), so that their pages are shared by every
-worker instead of copied into each, and a respawn does not import them again. The forkserver
-starts once per process, so only the preload given when it starts takes effect.
 """
 
 from __future__ import annotations

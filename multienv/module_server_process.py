@@ -51,6 +51,7 @@ BOOTSTRAP = (
     "from multienv.module_server_process import main; main(int(sys.argv[1]))"
 )
 BASE_MODULES = ("numpy", "gymnasium", "cloudpickle", "multienv.worker")
+PROCESS_NAME = "multienv-server"  # its name in ps and top
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,7 @@ class WorkerArgs:
 def main(fd: int) -> None:
     """The server process: set up from the parent's ``ServerStart``, then serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C, as in workers
+    worker_module().set_process_name(PROCESS_NAME)
     sock = socket.socket(fileno=fd)
     start: ServerStart = pickle.loads(sock.recv(1 << 20))
     sys.argv[:] = start.argv

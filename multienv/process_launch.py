@@ -1,6 +1,6 @@
 """PARENT SIDE, subprocess backend: starting a worker process, now or ahead as a standby.
 
-``WorkerRecipe.launch`` starts one worker process (through the forkserver by default) with
+``WorkerRecipe.launch`` starts one worker process (from the module server by default) with
 a pipe for calls and one for its stderr, which a thread forwards to ours while keeping the
 last lines for crash reports. A ``Standby`` is a recycle's replacement worker, launched,
 built and attached to the vector's shared memory on a thread of its own, so that taking it
@@ -139,7 +139,7 @@ class WorkerRecipe:
 class Standby:
     """A recycle's replacement worker, started ahead by its waiter thread.
 
-    The thread launches the process (a fork through the forkserver takes milliseconds, too
+    The thread launches the process (a fork from the module server takes milliseconds, too
     long for the step that asks for it), waits for its envs and attaches it to the vector's
     shared memory, so that taking it over costs no wait.
 

@@ -44,12 +44,13 @@ def resolve_context(
 
     Args:
         context: A context, a start-method name, or None for the default: ``forkserver`` on
-            Linux (with numpy, gymnasium and the user's script preloaded, so a respawn is a
-            cheap fork; see ``multienv.forkserver``) and ``spawn`` elsewhere. ``fork`` is
-            available on request; forking a parent whose threads hold locks can deadlock
-            the child.
-        preload: More modules for the forkserver to import; other start methods ignore it.
-        thread_env: Thread-count variables for the forkserver to start with (see
+            Linux, where daemon workers fork from the module server (which imports numpy,
+            gymnasium and the user's script once, so a respawn is a cheap fork; see
+            ``multienv.module_server``), started here, and others from multiprocessing's
+            forkserver; ``spawn`` elsewhere. ``fork`` is available on request; forking a
+            parent whose threads hold locks can deadlock the child.
+        preload: More modules for the fork sources to import; other start methods ignore it.
+        thread_env: Thread-count variables for the fork sources to start with (see
             ``forkserver_context``); other start methods ignore it.
     """
     if isinstance(context, BaseContext):
@@ -63,13 +64,13 @@ def resolve_context(
 
 
 def start_forkserver(preload: Sequence[str] = (), *, blas_threads: int | None = 1) -> None:
-    """Start this process's forkserver now, so that the first vector does not wait for it.
+    """Start the process workers fork from now, so that the first vector does not wait for it.
 
-    Workers fork from a server process that imports numpy, gymnasium, multienv's worker and
-    your script once. It otherwise starts with the first vector; call this at the top of a
-    training script (under ``if __name__ == "__main__":``) and its imports run while your
-    script sets up. Idempotent; nothing happens at ``import multienv``. On a platform without
-    forkserver (not Linux) it does nothing.
+    Workers fork from a server process (``multienv.module_server``) that imports numpy,
+    gymnasium, multienv's worker and your script once. It otherwise starts with the first
+    vector; call this at the top of a training script (under ``if __name__ == "__main__":``)
+    and its imports run while your script sets up. Idempotent; nothing happens at
+    ``import multienv``. On a platform without forkserver (not Linux) it does nothing.
 
     Example:
         >>> import multienv
@@ -132,13 +133,13 @@ class SubprocessEnv(RemoteEnv):
             ``RecyclePolicy``. None (default) never recycles.
         close_timeout_s: Seconds ``close()`` waits for the worker to exit before killing it.
         env_index: Position of this env in its vector; used in messages and process names.
-        preload: Names of modules for the forkserver to import before it forks workers, such
-            as the env's package (``"ale_py"``), so that every worker shares their memory
-            and a respawn does not import them again. Without it, the modules the first
-            worker's envs import are shared by the workers started after it (see
-            ``multienv.module_server``). The forkserver starts once per
-            process, so pass it to the first env a process starts; later ones log a warning.
-            Other start methods ignore it.
+        preload: Names of modules for the module server to import before it forks workers,
+            such as the env's package (``"ale_py"``), so that every worker shares their
+            memory and a respawn does not import them again. Without it, the modules the
+            first worker's envs import are shared by the workers started after it (see
+            ``multienv.module_server``). The server starts once per process, so pass it to
+            the first env a process starts; later ones log a warning. Other start methods
+            ignore it.
         daemon: Start the worker as a daemon process (default). ``False`` lets env code
             start processes of its own; the worker still exits when this process dies.
         blas_threads: Threads per BLAS/OpenMP pool in the worker (``OMP_NUM_THREADS``,
@@ -218,7 +219,7 @@ def _supervise(
     )
 
     def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
-        # After the options are checked and the factories pickled: may start the forkserver.
+        # After the options are checked and the factories pickled: may start the server.
         resolved = resolve_context(context, preload_names, settings.thread_env)
         # Pools born the right size in the forkserver need no resizing in its workers.
         is_forkserver = resolved.get_start_method() == "forkserver"
@@ -245,8 +246,8 @@ def create_subprocess_envs(
 
     With more workers than cores (forkserver, daemon workers), env 0's factory runs once
     more, first, in a probe worker that reports the modules it imports and exits, so that
-    every worker forks from a process that has them (``multienv.module_server``), as
-    ``AsyncVectorEnv`` builds a dummy env in its parent.
+    every worker forks from a server that has imported them (``multienv.module_server``),
+    as ``AsyncVectorEnv`` builds a dummy env in its parent.
 
     Raises:
         TypeError: An env_fn cannot be pickled; nothing was started.
@@ -294,7 +295,7 @@ def _should_probe(num_workers: int, options: dict[str, Any]) -> bool:
     When the workers outnumber the cores, their imports would queue for the cores anyway;
     importing them once in the module server (after the probe reports them) makes the
     workers both share them and start sooner. With as many workers as cores or fewer, all
-    start at once as before, and the server starts in the background for later workers.
+    start at once, and the server imports them before it forks the next worker.
     """
     context = options.get("context")
     is_forkserver = context in (None, "forkserver") or (

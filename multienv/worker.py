@@ -89,9 +89,7 @@ def run_worker(
     os.dup2(stderr_conn.fileno(), 2)
     stderr_conn.close()
     faulthandler.enable(all_threads=False)  # the crashing env thread; not our watcher
-    libc = _libc()
-    if libc is not None:
-        libc.prctl(_PR_SET_NAME, f"{OS_NAME_PREFIX}{env_index}".encode()[:15])
+    set_process_name(f"{OS_NAME_PREFIX}{env_index}")
     _exit_with_parent(parent_pid, owner_watch)
     settings.apply()
 
@@ -284,6 +282,13 @@ class _Loop:
 
 
 @functools.cache
+def set_process_name(name: str) -> None:
+    """Show ``name`` (15 bytes at most) for this process in ``ps`` and ``top``; Linux only."""
+    libc = _libc()
+    if libc is not None:
+        libc.prctl(_PR_SET_NAME, name.encode()[:15])
+
+
 def _libc() -> Any:
     """Return libc with ``prctl`` on Linux, else None."""
     if not sys.platform.startswith("linux"):
@@ -312,7 +317,7 @@ def exit_with_direct_parent(expected_ppid: int) -> bool:
 
 
 def prepare_to_fork_workers() -> None:
-    """In a process that workers fork from (the forkserver, the module server), before forking.
+    """In a process that workers fork from (the module server, the forkserver), before forking.
 
     Runs the worker's first-time code paths here (loading libc, a message's encoding and
     decoding) so that workers inherit them warm, and moves every object into the garbage
@@ -322,7 +327,7 @@ def prepare_to_fork_workers() -> None:
     """
     _libc()
     _warm_up()
-    gc.freeze()  # no collection first: it would cost the forkserver's start about 12 ms
+    gc.freeze()  # no collection first: it would cost the server's start about 12 ms
 
 
 def _exit_with_parent(parent_pid: int, owner_watch: OwnerWatch) -> None:

@@ -6,7 +6,7 @@ worker runs one thread per pool. The parent decides (``WorkerSettings.decide``):
 user's own ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS`` win, and
 ``blas_threads=None`` turns the whole thing off. The worker applies them (``apply``) before
 it builds its envs: the variables for libraries the env imports later, and threadpoolctl
-for the pools already loaded (the forkserver preloads numpy, whose pool is sized then).
+for the pools already loaded (the module server preloads numpy, whose pool is sized then).
 
 Pinning (``pin_cpu=True``, off by default) puts worker w on the w-th of the CPUs this
 process may use, round robin, with ``os.sched_setaffinity``.
@@ -52,11 +52,11 @@ class WorkerSettings:
     Attributes:
         thread_env: Environment variables to set (the thread counts); empty: none.
         cpu: The CPU to pin the worker to; None: not pinned.
-        unset: Variables to remove: those multienv gave the forkserver the worker forks
+        unset: Variables to remove: those multienv gave the process the worker forks
             from, when this worker is to be left alone (``blas_threads=None``).
         limit_pools: Resize the thread pools already loaded in the worker (to the variables'
             counts, or back to one thread per CPU when leaving it alone). Not needed in a
-            worker forked from a forkserver that started with the same variables (its pools
+            worker forked from a process that started with the same variables (its pools
             were born that size), where it would cost about 13 ms a worker.
         spin_s: How long the worker polls for its next request before it sleeps; 0 (the
             default) sleeps at once.
