@@ -147,7 +147,6 @@ class ModuleServer:
         self._sock = ours
         self._lock = threading.Lock()
         self._is_ready = False
-        self.thread_env = dict(thread_env)
         flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
         try:
             self._process = subprocess.Popen(
@@ -184,7 +183,8 @@ class ModuleServer:
         """Have the server import ``modules``, so that the workers it forks next share them.
 
         Raises:
-            OSError: It refused (the imports started a thread) and exits, or it is gone.
+            OSError: It is gone, or it refused: the imports started a thread, so it forks no
+                more workers, and lives on for those it forked.
         """
         request = pickle.dumps(ImportRequest(list(modules)), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
@@ -295,14 +295,6 @@ def _start(state: _ProcessState) -> None:
             logger.warning("module server: %s; workers start from the forkserver", exc)
 
 
-def _give_up(state: _ProcessState, exc: OSError) -> None:
-    """The server failed: close it; every later worker starts from the forkserver."""
-    logger.warning("module server: %s; workers start from the forkserver", exc)
-    if state.server is not None:
-        state.server.close()
-    state.server, state.has_failed = None, True
-
-
 def running() -> ModuleServer | None:
     """This process's module server, if it runs."""
     with _lock:
@@ -348,15 +340,27 @@ def for_launch() -> ModuleServer | None:
         state = _here()
         _start(state)
         server = state.server
-        if server is None:
+        if server is None or state.has_failed:
             return None
         try:
             server.wait_ready()
-            if state.learned is not None and not state.tried:
-                state.tried = True
-                server.import_modules(state.learned)
-                logger.info("module server: imported %d modules", len(state.learned))
-        except OSError as exc:
-            _give_up(state, exc)
+        except OSError as exc:  # it forked nothing yet
+            server.close()
+            state.server = None
+            _fall_back(state, exc)
             return None
+        if state.learned is not None and not state.tried:
+            state.tried = True
+            try:
+                server.import_modules(state.learned)
+            except OSError as exc:  # it stays for the workers it forked, if it lives
+                _fall_back(state, exc)
+                return None
+            logger.info("module server: imported %d modules", len(state.learned))
     return server if server.is_alive() else None
+
+
+def _fall_back(state: _ProcessState, exc: OSError) -> None:
+    """The server cannot fork: every later worker of this process starts from the forkserver."""
+    state.has_failed = True
+    logger.warning("module server: %s; workers start from the forkserver", exc)

@@ -9,8 +9,8 @@ runs in it, and the wire both sides speak over a ``SOCK_SEQPACKET`` pair:
    freezes what workers inherit, and answers ``READY``: or ``REFUSED`` if the imports
    started a thread, which would be copied half-way into every worker.
 2. ``ImportRequest``: the modules a worker's envs imported (``Reply.modules``); the server
-   imports them so that later workers share them, and answers ``READY`` or ``REFUSED``
-   (then it exits).
+   imports them so that later workers share them, and answers ``READY``; or ``REFUSED`` if
+   they started a thread: then it forks no more workers, and lives on for those it forked.
 3. ``WorkerArgs`` with three fds (the worker's pipe end, its stderr pipe, the write end of
    a status pipe): the server forks the worker and answers with its pid. When it reaps the
    child, it writes its exit status (the code, or minus the signal) into the status pipe.
@@ -115,6 +115,7 @@ def serve(sock: socket.socket, owner_pid: int, main_failed: str | None) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     sock_fd = sock.fileno()
     watched = [sock_fd, wake_r] + ([owner_fd] if owner_fd >= 0 else [])
+    is_refusing = False  # a thread runs: forking now could copy a lock held by it
     while True:
         ready, _, _ = select.select(watched, [], [])
         if owner_fd in ready:
@@ -130,11 +131,15 @@ def serve(sock: socket.socket, owner_pid: int, main_failed: str | None) -> None:
         request = pickle.loads(message)
         if isinstance(request, ImportRequest):
             import_modules(request.modules)
-            if threading.active_count() > 1:
-                sock.send(REFUSED)
-                return
-            worker_module().prepare_to_fork_workers()
-            sock.send(READY)
+            is_refusing = threading.active_count() > 1
+            if not is_refusing:
+                worker_module().prepare_to_fork_workers()
+            sock.send(REFUSED if is_refusing else READY)
+            continue
+        if is_refusing:  # the parent then starts the worker from the forkserver
+            for fd in fds:
+                os.close(fd)
+            sock.send(REFUSED)
             continue
         child_fd, stderr_fd, status_fd = fds
         server_pid = os.getpid()

@@ -253,3 +253,59 @@ def test_workers_fork_from_the_module_server_alone_in_the_parents_current_direct
     assert not any("forkserver" in cmd or "resource_tracker" in cmd for cmd in children.values())
     assert set(report["worker_parents"]) == {report["server"]}
     assert report["cwd_of_later"] == str(tmp_path)
+
+
+_THREAD_AT_IMPORT_SCRIPT = """
+import json, os, signal
+import numpy as np
+from multienv import MultiEnv, module_server
+from multienv.procfs import process_table
+from tests.conftest import wait_until_dead
+
+def make_env():
+    import threaded_package  # starts a thread when imported, as some packages do
+    return threaded_package.make()
+
+if True:  # run with -c: no script file for workers to import
+    n = len(os.sched_getaffinity(0))  # no probe: the first workers fork at once
+    with MultiEnv([make_env] * n) as first:
+        first.reset(seed=0)
+        server = module_server.running()._process.pid
+        with MultiEnv([make_env]) as later:  # the server refuses the modules: forkserver
+            later.reset(seed=0)
+            table = process_table()
+            first_pids = [p.pid for p in first.envs]
+            before = list(first_pids)
+            first.step(np.ones(n, dtype=np.int64))
+            print(json.dumps({
+                "server": server,
+                "server_alive": module_server.running() is not None,
+                "first_parents": [table[p].ppid for p in first_pids],
+                "first_kept": [p.pid for p in first.envs] == before,
+                "later_parent": table[later.envs[0].pid].ppid,
+                "later_restarts": later.envs[0].restarts,
+            }))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_env_modules_that_start_a_thread_leave_the_servers_workers_and_use_the_forkserver(
+    tmp_path,
+):
+    (tmp_path / "threaded_package.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+        "def make():\n"
+        "    from tests.envs import CountingEnv\n"
+        "    return CountingEnv()\n"
+    )
+    done = run_python(["-c", _THREAD_AT_IMPORT_SCRIPT], path=[tmp_path])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    # The server forked the first workers, then refused the modules; they keep running.
+    assert set(report["first_parents"]) == {report["server"]}
+    assert report["first_kept"]
+    assert report["server_alive"]
+    assert report["later_parent"] != report["server"]  # from multiprocessing's forkserver
+    assert report["later_restarts"] == 0
+    assert "refused the env's modules; workers start from the forkserver" in done.stderr
