@@ -148,9 +148,10 @@ class ModuleServer:
         self._lock = threading.Lock()
         self._is_ready = False
         flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+        path = [os.fspath(entry) for entry in sys.path if isinstance(entry, str | os.PathLike)]
         try:
             self._process = subprocess.Popen(
-                [spawn.get_executable(), *flags, "-c", BOOTSTRAP, str(theirs.fileno()), *sys.path],
+                [spawn.get_executable(), *flags, "-c", BOOTSTRAP, str(theirs.fileno()), *path],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **thread_env},
