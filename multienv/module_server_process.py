@@ -15,6 +15,13 @@ runs in it, and the wire both sides speak over a ``SOCK_SEQPACKET`` pair:
    a status pipe): the server forks the worker and answers with its pid. When it reaps the
    child, it writes its exit status (the code, or minus the signal) into the status pipe.
 
+Workers forked after a probe share the server's objects without copying their pages: the
+server makes them immortal (``fork_source.immortalize_and_freeze``) once it has forked the
+first probe, while the probe builds env 0, and the env's modules' objects as it imports
+them. Not before: that takes about 40 ms, which the first workers of a vector without a
+probe would wait for, and not later: writing to the objects once workers share their pages
+would copy them all into the server.
+
 It builds no env. It watches the parent through a pidfd and exits when the parent dies;
 its workers die with it (``PR_SET_PDEATHSIG``), and run no thread of their own to watch the
 parent. It exits at EOF on its socket, when the parent closes it.
@@ -37,7 +44,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from multienv.fork_source import import_main, import_modules
+from multienv.fork_source import immortalize_and_freeze, import_main, import_modules
 from multienv.protocol import OwnerWatch, worker_main, worker_module
 
 logger = logging.getLogger(__name__)
@@ -80,6 +87,7 @@ class WorkerArgs:
     parent_pid: int
     settings: Any
     cwd: str  # the parent's working directory now: a worker starts in it
+    is_probe: bool = False  # a worker that builds env 0 only to report its modules
 
 
 def main(fd: int) -> None:
@@ -116,6 +124,7 @@ def serve(sock: socket.socket, owner_pid: int, main_failed: str | None) -> None:
     sock_fd = sock.fileno()
     watched = [sock_fd, wake_r] + ([owner_fd] if owner_fd >= 0 else [])
     is_refusing = False  # a thread runs: forking now could copy a lock held by it
+    is_shared = False  # the objects are immortal, all of them (a probe came first)
     while True:
         ready, _, _ = select.select(watched, [], [])
         if owner_fd in ready:
@@ -132,8 +141,8 @@ def serve(sock: socket.socket, owner_pid: int, main_failed: str | None) -> None:
         if isinstance(request, ImportRequest):
             import_modules(request.modules)
             is_refusing = threading.active_count() > 1
-            if not is_refusing:
-                worker_module().prepare_to_fork_workers()
+            if not is_refusing:  # the new objects: pages no worker shares yet
+                worker_module().prepare_to_fork_workers(immortalize=True)
             sock.send(REFUSED if is_refusing else READY)
             continue
         if is_refusing:  # the parent then starts the worker from the forkserver
@@ -160,6 +169,9 @@ def serve(sock: socket.socket, owner_pid: int, main_failed: str | None) -> None:
         os.close(stderr_fd)
         status_fds[pid] = status_fd
         sock.send(STATUS.pack(pid))
+        if request.is_probe and not is_shared:  # no worker but the probe shares the pages
+            is_shared = True
+            immortalize_and_freeze(include_frozen=True)
 
 
 def _reap(status_fds: dict[int, int]) -> None:

@@ -108,7 +108,12 @@ class WorkerRecipe:
         server = module_server.for_launch() if self.daemon and is_forkserver else None
         if server is not None:
             args = WorkerArgs(
-                list(self.env_fn_bytes), self.env_index, os.getpid(), self.settings, os.getcwd()
+                list(self.env_fn_bytes),
+                self.env_index,
+                os.getpid(),
+                self.settings,
+                os.getcwd(),
+                self.is_probe,
             )
             try:
                 served = server.launch(child_conn, stderr_write, args, name)

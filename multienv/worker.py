@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from multienv.autoreset import step_env
+from multienv.fork_source import immortalize_and_freeze
 from multienv.framing import (
     DONE_OK,
     DONE_REPLY,
@@ -281,7 +282,6 @@ class _Loop:
         write_message(self.fd, encode_reply(Reply(extras, schemas=schemas), None, resets))
 
 
-@functools.cache
 def set_process_name(name: str) -> None:
     """Show ``name`` (15 bytes at most) for this process in ``ps`` and ``top``; Linux only."""
     libc = _libc()
@@ -289,6 +289,7 @@ def set_process_name(name: str) -> None:
         libc.prctl(_PR_SET_NAME, name.encode()[:15])
 
 
+@functools.cache
 def _libc() -> Any:
     """Return libc with ``prctl`` on Linux, else None."""
     if not sys.platform.startswith("linux"):
@@ -316,18 +317,23 @@ def exit_with_direct_parent(expected_ppid: int) -> bool:
     return True
 
 
-def prepare_to_fork_workers() -> None:
+def prepare_to_fork_workers(*, immortalize: bool = False) -> None:
     """In a process that workers fork from (the module server, the forkserver), before forking.
 
     Runs the worker's first-time code paths here (loading libc, a message's encoding and
     decoding) so that workers inherit them warm, and moves every object into the garbage
     collector's permanent generation: a full collection in a worker then never writes to
     the inherited objects, which would make each worker copy them (about 13 MiB with
-    Gymnasium's MuJoCo modules).
+    Gymnasium's MuJoCo modules). ``immortalize``: make the objects created since the last
+    call immortal first (``fork_source.immortalize_and_freeze``).
     """
     _libc()
     _warm_up()
-    gc.freeze()  # no collection first: it would cost the server's start about 12 ms
+    # No collection first: it would cost the server's start about 12 ms.
+    if immortalize:
+        immortalize_and_freeze()
+    else:
+        gc.freeze()
 
 
 def _exit_with_parent(parent_pid: int, owner_watch: OwnerWatch) -> None:
