@@ -160,8 +160,8 @@ def _write_words(addresses: np.ndarray, value: int) -> None:
 def immortal_refcount() -> int | None:
     """The reference count that marks an object immortal here, or None to leave objects be.
 
-    Only on CPython 3.12 and 3.13 with the GIL, 64-bit: there the count is the object's
-    first word, and an object is immortal when its low 32 bits are all set, as
+    Only on CPython 3.12 and 3.13 with the GIL, 64-bit, release builds: there the count is
+    the object's first word, and an object is immortal when its low 32 bits are all set, as
     ``sys.getrefcount(None)`` shows. A trial object must then keep that count while
     references to it come and go; otherwise (or with ``MULTIENV_IMMORTALIZE=0``) None.
     """
@@ -171,6 +171,7 @@ def immortal_refcount() -> int | None:
         or not (3, 12) <= sys.version_info[:2] <= (3, 13)
         or sysconfig.get_config_var("Py_GIL_DISABLED")
         or sys.maxsize <= 2**32
+        or hasattr(sys, "gettotalrefcount")  # a debug build keeps a total of all counts
     ):
         return None
     value = sys.getrefcount(None)

@@ -20,6 +20,7 @@ IS_SUPPORTED = (
     and (3, 12) <= sys.version_info[:2] <= (3, 13)
     and not sysconfig.get_config_var("Py_GIL_DISABLED")
     and sys.maxsize > 2**32
+    and not hasattr(sys, "gettotalrefcount")
 )
 needs_immortal_objects = pytest.mark.skipif(
     not IS_SUPPORTED, reason="objects can be made immortal on CPython 3.12 and 3.13 only"
