@@ -18,7 +18,7 @@ runs in it, and the wire both sides speak over a ``SOCK_SEQPACKET`` pair:
 Workers forked after a probe share the server's objects without copying their pages: the
 server makes them immortal (``fork_source.immortalize_and_freeze``) once it has forked the
 first probe, while the probe builds env 0, and the env's modules' objects as it imports
-them. Not before: that takes about 40 ms, which the first workers of a vector without a
+them. Not before: that takes about 20 ms, which the first workers of a vector without a
 probe would wait for, and not later: writing to the objects once workers share their pages
 would copy them all into the server.
 
@@ -116,61 +116,80 @@ def serve(sock: socket.socket, owner_pid: int, main_failed: str | None) -> None:
         return
     except (AttributeError, OSError):  # no pidfd: each worker watches the owner itself
         owner_fd = -1
-    status_fds: dict[int, int] = {}
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    sock_fd = sock.fileno()
-    watched = [sock_fd, wake_r] + ([owner_fd] if owner_fd >= 0 else [])
-    is_refusing = False  # a thread runs: forking now could copy a lock held by it
-    is_shared = False  # the objects are immortal, all of them (a probe came first)
-    while True:
-        ready, _, _ = select.select(watched, [], [])
-        if owner_fd in ready:
-            return  # the owner died; PR_SET_PDEATHSIG ends the workers
-        if wake_r in ready:
-            os.read(wake_r, 4096)
-        _reap(status_fds)
-        if sock_fd not in ready:
-            continue
-        message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
-        if not message:
-            return  # the parent closed it
-        request = pickle.loads(message)
-        if isinstance(request, ImportRequest):
-            import_modules(request.modules)
-            is_refusing = threading.active_count() > 1
-            if not is_refusing:  # the new objects: pages no worker shares yet
-                worker_module().prepare_to_fork_workers(immortalize=True)
-            sock.send(REFUSED if is_refusing else READY)
-            continue
-        if is_refusing:  # the parent then starts the worker from the forkserver
-            for fd in fds:
-                os.close(fd)
-            sock.send(REFUSED)
-            continue
+    _Server(sock, owner_fd, main_failed).serve()
+
+
+class _Server:
+    """The server's state between requests: its children, and what it may still do."""
+
+    def __init__(self, sock: socket.socket, owner_fd: int, main_failed: str | None) -> None:
+        """Set up the wake-up pipe that SIGCHLD writes to, so that select sees deaths."""
+        self.sock = sock
+        self.owner_fd = owner_fd  # -1: no pidfd
+        self.main_failed = main_failed
+        self.status_fds: dict[int, int] = {}  # a child's pid: the pipe for its exit status
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.is_refusing = False  # a thread runs: forking now could copy a lock held by it
+        self.is_shared = False  # all the objects are immortal (a probe came first)
+
+    def serve(self) -> None:
+        """Fork, import and reap until EOF on the socket, or until the owner dies."""
+        sock_fd = self.sock.fileno()
+        watched = [sock_fd, self.wake_r] + ([self.owner_fd] if self.owner_fd >= 0 else [])
+        while True:
+            ready, _, _ = select.select(watched, [], [])
+            if self.owner_fd in ready:
+                return  # the owner died; PR_SET_PDEATHSIG ends the workers
+            if self.wake_r in ready:
+                os.read(self.wake_r, 4096)
+            _reap(self.status_fds)
+            if sock_fd not in ready:
+                continue
+            message, fds, _, _ = socket.recv_fds(self.sock, 1 << 20, 3)
+            if not message:
+                return  # the parent closed it
+            request = pickle.loads(message)
+            if isinstance(request, ImportRequest):
+                self._import(request)
+            elif self.is_refusing:  # the parent then starts the worker from the forkserver
+                for fd in fds:
+                    os.close(fd)
+                self.sock.send(REFUSED)
+            else:
+                self._fork(request, fds)
+
+    def _import(self, request: ImportRequest) -> None:
+        import_modules(request.modules)
+        self.is_refusing = threading.active_count() > 1
+        if not self.is_refusing:  # the new objects: pages no worker shares yet
+            worker_module().prepare_to_fork_workers(immortalize=True)
+        self.sock.send(REFUSED if self.is_refusing else READY)
+
+    def _fork(self, args: WorkerArgs, fds: list[int]) -> None:
         child_fd, stderr_fd, status_fd = fds
         server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
-            server_fds = [wake_r, wake_w, status_fd, *status_fds.values()]
-            if owner_fd >= 0:
-                server_fds.append(owner_fd)
+            server_fds = [self.wake_r, self.wake_w, status_fd, *self.status_fds.values()]
+            if self.owner_fd >= 0:
+                server_fds.append(self.owner_fd)
             _run_child(
-                sock,
+                self.sock,
                 server_fds,
                 (child_fd, stderr_fd),
-                request,
-                (server_pid, owner_fd >= 0),
-                main_failed,
+                args,
+                (server_pid, self.owner_fd >= 0),
+                self.main_failed,
             )
         os.close(child_fd)
         os.close(stderr_fd)
-        status_fds[pid] = status_fd
-        sock.send(STATUS.pack(pid))
-        if request.is_probe and not is_shared:  # no worker but the probe shares the pages
-            is_shared = True
+        self.status_fds[pid] = status_fd
+        self.sock.send(STATUS.pack(pid))
+        if args.is_probe and not self.is_shared:  # no worker but the probe shares the pages
+            self.is_shared = True
             immortalize_and_freeze(include_frozen=True)
 
 
