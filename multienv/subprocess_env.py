@@ -89,8 +89,7 @@ def start_forkserver(preload: Sequence[str] = (), *, blas_threads: int | None = 
         return
     names = _checked_preload(preload, "start_forkserver()")
     settings = WorkerSettings.decide(blas_threads, False, 0, 0)
-    forkserver_context(names, settings.thread_env)
-    module_server.start()
+    resolve_context("forkserver", names, settings.thread_env)
 
 
 def _checked_preload(preload: Sequence[str], owner: str) -> tuple[str, ...]:

@@ -328,3 +328,42 @@ def test_workers_of_an_immortal_server_copy_2_mib_fewer_pages():
     immortal, mortal = (max(reports[v]["mib"]) for v in ("1", "0"))
     assert immortal < CARTPOLE_IMMORTAL_BOUND_MIB < mortal, reports
     assert mortal - immortal > 1.0, reports
+
+
+_THREADED_SCRIPT = """
+import json, os, threading, time
+import numpy as np
+from multienv import MultiEnv, module_server
+from multienv.procfs import process_table
+from tests.envs import CountingEnv
+
+# At the top level: it runs in every process that imports the script, fork sources too.
+threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+
+if __name__ == "__main__":
+    with MultiEnv([CountingEnv] * 3) as envs:
+        envs.reset(seed=0)
+        obs, *_ = envs.step(np.ones(3, dtype=np.int64))
+        table = process_table()
+        parents = {table[proxy.pid].ppid for proxy in envs.envs}
+        commands = [open(f"/proc/{pid}/cmdline").read() for pid in parents]
+        print(json.dumps({
+            "server": module_server.running() is not None,
+            "commands": commands,
+            "obs": obs.ravel().tolist(),
+        }))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_starts_a_thread_at_import_gets_its_workers_from_the_forkserver(tmp_path):
+    script = tmp_path / "threaded.py"
+    script.write_text(_THREADED_SCRIPT)
+    done = run_python([str(script)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not report["server"]  # it refused to fork with a thread running
+    assert report["commands"]
+    assert all("multiprocessing.forkserver" in command for command in report["commands"])
+    assert report["obs"] == [1.0, 1.0, 1.0]
+    assert "module server did not start; workers start from the forkserver" in done.stderr
