@@ -212,7 +212,8 @@ class ModuleServer:
         request (the caller starts the worker from the forkserver).
 
         Raises:
-            OSError: The server is gone (the caller falls back to the forkserver).
+            OSError: The server is gone, or refuses to fork (the caller falls back to the
+                forkserver).
         """
         request = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
         if len(request) > MAX_REQUEST:
@@ -223,15 +224,15 @@ class ModuleServer:
                 socket.send_fds(
                     self._sock, [request], [child_conn.fileno(), stderr_write.fileno(), status_w]
                 )
-                answer = self._sock.recv(STATUS.size)
+                answer = self._sock.recv(64)  # one datagram: a pid, or REFUSED
         except BaseException:
             os.close(status_r)
             raise
         finally:
             os.close(status_w)
-        if len(answer) != STATUS.size:
+        if len(answer) != STATUS.size:  # refused (a thread runs in it), or gone
             os.close(status_r)
-            raise OSError("the module server is gone")
+            raise OSError(f"the module server forked no worker ({answer!r})")
         return ServedProcess(STATUS.unpack(answer)[0], status_r, name)
 
     def is_alive(self) -> bool:

@@ -367,3 +367,48 @@ def test_a_script_that_starts_a_thread_at_import_gets_its_workers_from_the_forks
     assert all("multiprocessing.forkserver" in command for command in report["commands"])
     assert report["obs"] == [1.0, 1.0, 1.0]
     assert "module server did not start; workers start from the forkserver" in done.stderr
+
+
+_LAUNCH_AFTER_REFUSAL_SCRIPT = """
+import multiprocessing, os
+from multienv import MultiEnv, module_server
+from multienv.module_server_process import WorkerArgs
+from multienv.worker_settings import WorkerSettings
+
+def make_env():
+    import threaded_package  # starts a thread when imported
+    return threaded_package.make()
+
+if True:  # run with -c: no script file for workers to import
+    n = len(os.sched_getaffinity(0))
+    with MultiEnv([make_env] * n) as first:
+        server = module_server.running()
+        with MultiEnv([make_env]):  # the server imports the modules, and refuses
+            pass
+        # A launch that raced the refusal (another thread had the server already):
+        mine, theirs = multiprocessing.Pipe()
+        err_read, err_write = multiprocessing.Pipe(duplex=False)
+        args = WorkerArgs([], 0, os.getpid(), WorkerSettings(), os.getcwd())
+        try:
+            server.launch(theirs, err_write, args, "late")
+        except OSError as exc:
+            print("OSError", "forked no worker" in str(exc))
+        else:
+            print("launched")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_launch_that_reaches_a_refusing_server_raises_instead_of_returning_a_process(
+    tmp_path,
+):
+    (tmp_path / "threaded_package.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+        "def make():\n"
+        "    from tests.envs import CountingEnv\n"
+        "    return CountingEnv()\n"
+    )
+    done = run_python(["-c", _LAUNCH_AFTER_REFUSAL_SCRIPT], path=[tmp_path])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["OSError", "True"]
