@@ -412,3 +412,40 @@ def test_a_launch_that_reaches_a_refusing_server_raises_instead_of_returning_a_p
     done = run_python(["-c", _LAUNCH_AFTER_REFUSAL_SCRIPT], path=[tmp_path])
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["OSError", "True"]
+
+
+_KILLED_BEFORE_READY_SCRIPT = """
+import json, os, signal
+import numpy as np
+import multienv
+from multienv import MultiEnv, module_server
+from multienv.procfs import process_table
+from tests.envs import CountingEnv
+
+if True:  # run with -c: no script file for workers to import
+    multienv.start_forkserver()
+    os.kill(module_server.running()._process.pid, signal.SIGKILL)  # still importing
+    with MultiEnv([CountingEnv] * 3) as envs:
+        envs.reset(seed=0)
+        obs, *_ = envs.step(np.ones(3, dtype=np.int64))
+        table = process_table()
+        parents = {table[proxy.pid].ppid for proxy in envs.envs}
+        print(json.dumps({
+            "server": module_server.running() is not None,
+            "commands": [open(f"/proc/{pid}/cmdline").read() for pid in parents],
+            "obs": obs.ravel().tolist(),
+        }))
+"""
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(60)
+def test_a_module_server_killed_before_it_serves_leaves_the_first_vector_to_the_forkserver():
+    done = run_python(["-c", _KILLED_BEFORE_READY_SCRIPT])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not report["server"]
+    assert report["commands"]
+    assert all("multiprocessing.forkserver" in command for command in report["commands"])
+    assert report["obs"] == [1.0, 1.0, 1.0]
+    assert "module server did not start; workers start from the forkserver" in done.stderr
