@@ -258,6 +258,17 @@ def test_workers_fork_from_the_module_server_alone_in_the_parents_current_direct
     assert report["cwd_of_later"] == str(tmp_path)
 
 
+def write_threaded_package(directory):
+    """A package that starts a thread when imported, as some do, and makes a CountingEnv."""
+    (directory / "threaded_package.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+        "def make():\n"
+        "    from tests.envs import CountingEnv\n"
+        "    return CountingEnv()\n"
+    )
+
+
 _THREAD_AT_IMPORT_SCRIPT = """
 import json, os, signal
 import numpy as np
@@ -295,13 +306,7 @@ if True:  # run with -c: no script file for workers to import
 def test_env_modules_that_start_a_thread_leave_the_servers_workers_and_use_the_forkserver(
     tmp_path,
 ):
-    (tmp_path / "threaded_package.py").write_text(
-        "import threading, time\n"
-        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
-        "def make():\n"
-        "    from tests.envs import CountingEnv\n"
-        "    return CountingEnv()\n"
-    )
+    write_threaded_package(tmp_path)
     done = run_python(["-c", _THREAD_AT_IMPORT_SCRIPT], path=[tmp_path])
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -402,13 +407,7 @@ if True:  # run with -c: no script file for workers to import
 def test_a_launch_that_reaches_a_refusing_server_raises_instead_of_returning_a_process(
     tmp_path,
 ):
-    (tmp_path / "threaded_package.py").write_text(
-        "import threading, time\n"
-        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
-        "def make():\n"
-        "    from tests.envs import CountingEnv\n"
-        "    return CountingEnv()\n"
-    )
+    write_threaded_package(tmp_path)
     done = run_python(["-c", _LAUNCH_AFTER_REFUSAL_SCRIPT], path=[tmp_path])
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["OSError", "True"]
