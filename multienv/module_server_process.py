@@ -20,7 +20,8 @@ server makes them immortal (``fork_source.immortalize_and_freeze``) once it has 
 first probe, while the probe builds env 0, and the env's modules' objects as it imports
 them. Not before: that takes about 20 ms, which the first workers of a vector without a
 probe would wait for, and not later: writing to the objects once workers share their pages
-would copy them all into the server.
+would copy them all into the server. Each time, it gives its heap's free pages back
+(``worker.release_free_memory``), so that workers forked next do not inherit them.
 
 It builds no env. It watches the parent through a pidfd and exits when the parent dies;
 its workers die with it (``PR_SET_PDEATHSIG``), and run no thread of their own to watch the
@@ -191,6 +192,7 @@ class _Server:
         if args.is_probe and not self.is_shared:  # no worker but the probe shares the pages
             self.is_shared = True
             immortalize_and_freeze(include_frozen=True)
+            worker_module().release_free_memory()
 
 
 def _reap(status_fds: dict[int, int]) -> None:

@@ -181,6 +181,8 @@ class _Loop:
             else:
                 reply = self.runner.serve(message)
             write_message(self.fd, encode_reply(reply, message))
+            if message.command is Command.BATCH and any(o.is_reset for o in message.payload):
+                release_free_memory()
 
     def _attach(self, payload: tuple[BatchLayout, int, list[int]]) -> None:
         # The parent sends the fds only after this ack, so no read of ours can swallow them.
@@ -277,9 +279,11 @@ class _Loop:
         schemas = columns.take_pending() if columns.pending else None
         if not extras and schemas is None:
             writer.notify(seq, DONE_OK)
-            return
-        writer.notify(seq, DONE_REPLY)
-        write_message(self.fd, encode_reply(Reply(extras, schemas=schemas), None, resets))
+        else:
+            writer.notify(seq, DONE_REPLY)
+            write_message(self.fd, encode_reply(Reply(extras, schemas=schemas), None, resets))
+        if resets:
+            release_free_memory()
 
 
 def set_process_name(name: str) -> None:
@@ -300,6 +304,21 @@ def _libc() -> Any:
     except (OSError, AttributeError):
         return None
     return libc
+
+
+def release_free_memory() -> None:
+    """Give the allocator's free pages back to the system (glibc's ``malloc_trim``).
+
+    glibc keeps freed memory in its heap, resident, unless it is at the top. A worker calls
+    this after a batch with explicit resets (rare in training: the first batch, mostly),
+    where its envs drop what their construction or last episode allocated: 0.9 MiB in a
+    worker of 8 Pong envs. A fork source calls it before it forks workers: 2.5 MiB in the
+    module server once it imported Pong's modules. It takes about 0.2 ms.
+    """
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def exit_with_direct_parent(expected_ppid: int) -> bool:
@@ -324,7 +343,8 @@ def prepare_to_fork_workers(*, immortalize: bool = False) -> None:
     decoding) so that workers inherit them warm, and moves every object into the garbage
     collector's permanent generation: a full collection in a worker then never writes to
     the inherited objects, which would make each worker copy them (about 13 MiB with
-    Gymnasium's MuJoCo modules). ``immortalize``: make the objects created since the last
+    Gymnasium's MuJoCo modules). Then it gives the heap's free pages back
+    (``release_free_memory``). ``immortalize``: make the objects created since the last
     call immortal first (``fork_source.immortalize_and_freeze``).
     """
     _libc()
@@ -334,6 +354,7 @@ def prepare_to_fork_workers(*, immortalize: bool = False) -> None:
         immortalize_and_freeze()
     else:
         gc.freeze()
+    release_free_memory()
 
 
 def _exit_with_parent(parent_pid: int, owner_watch: OwnerWatch) -> None:

@@ -569,6 +569,19 @@ class LeakyEnv(CountingEnv):
         return super().step(action)
 
 
+class FragmentingEnv(CountingEnv):
+    """Each reset allocates 32 MiB in 4 KiB arrays and keeps one in 32, like a sim's loader.
+
+    The arrays come from malloc's heap, and the ones kept pin it: the freed 31 MiB stay
+    there, resident, until the allocator is asked to give free pages back.
+    """
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        chunks = [np.ones(512) for _ in range(8192)]
+        self.kept = chunks[::32]
+        return super().reset(seed=seed, options=options)
+
+
 class ActionTypeEcho(BoxActionEnv):
     """Says in its info the type and dtype of the action it was given."""
 

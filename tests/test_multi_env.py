@@ -1,4 +1,5 @@
 import os
+import platform
 import signal
 import threading
 
@@ -15,6 +16,7 @@ from tests.envs import (
     BoxActionEnv,
     CountingEnv,
     DictObsEnv,
+    FragmentingEnv,
     SegfaultOnceOnStep,
     SlowReset,
 )
@@ -109,6 +111,23 @@ def test_box_bounds_are_held_once_for_all_envs_and_the_batch():
             boxes[1].low[0] = 0.0  # shared: a write would change every env's bounds
         assert envs.observation_space.contains(envs.observation_space.sample())
         assert envs.observation_space.contains(envs.reset(seed=0)[0])
+
+
+def private_mib(pid):
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("Private_")) / 1024
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+@pytest.mark.parametrize("seed", [0, None], ids=["pickled-batch", "fast-batch"])
+def test_a_worker_gives_back_the_memory_its_envs_freed_in_a_reset(seed):
+    # Each FragmentingEnv leaves 31 MiB freed in the worker's heap at each reset. Unless the
+    # worker trims it after a reset, it stays resident: 42 MiB measured for the worker of
+    # the two envs here, against 11-12 trimmed (CPython 3.11, two-core machine).
+    with MultiEnv([FragmentingEnv] * 2, envs_per_worker=2) as envs:
+        envs.reset(seed=seed)
+        envs.step(np.ones(2, dtype=np.int64))  # the worker trims after a reset's reply
+        assert private_mib(envs.envs[0].pid) < 25
 
 
 def test_reset_seeds_int_list_and_mask():
