@@ -25,6 +25,7 @@ env's place in its vector. A *batch* is the steps and resets of some envs of one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -209,8 +210,12 @@ def backend_names() -> list[str]:
     return sorted(point.name for point in entry_points(group=ENTRY_POINT_GROUP))
 
 
+@functools.cache
 def find_backend(name: str) -> Backend:
     """The backend registered under ``name``; its module is imported only now.
+
+    Looked up once per name: reading the installed packages' entry points takes 2-4 ms,
+    a tenth of a later vector's start-up.
 
     Raises:
         ValueError: No backend of that name is installed.
