@@ -43,6 +43,7 @@ from multienv.protocol import (
     unpack_outcomes,
 )
 from multienv.shared_memory import SharedBatch
+from multienv.stderr_relay import StderrPipe
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ class ProcessHandle:
         self._fd = -1  # self._conn's fd, written to directly
         self._reader: MessageReader | None = None
         self._poller: Any = None  # select.poll over the pipe, the sentinel and the done pipe
-        self._stderr_pump: threading.Thread | None = None
-        self._stderr_tail: deque[str] = deque()
+        self._stderr: StderrPipe | None = None
+        self._stderr_tail: deque[str] = deque()  # kept once the pipe is closed
         self._is_closing = threading.Event()
         self._standby: Standby | None = None  # a recycle's replacement, started ahead
         self._ready_reply: Reply | None = None  # a standby's, for the handshake after spawn
@@ -123,7 +124,7 @@ class ProcessHandle:
         self._poller.register(process.sentinel, select.POLLIN)
         if self._shared is not None:
             self._poller.register(self._done_read, select.POLLIN)
-        self._stderr_tail, self._stderr_pump = launched.stderr_tail, launched.stderr_pump
+        self._stderr, self._stderr_tail = launched.stderr, launched.stderr.tail
 
     def prestart(self) -> None:
         """Start a standby worker, which the next ``spawn()`` takes over; idempotent."""
@@ -138,12 +139,12 @@ class ProcessHandle:
 
         The handle can ``spawn()`` at once; ``stop()`` waits for the retired workers.
         """
-        process, conn, pump = self._process, self._conn, self._stderr_pump
+        process, conn, stderr = self._process, self._conn, self._stderr
         if process is None or conn is None:
             return
-        self._process = self._conn = self._stderr_pump = None
+        self._process = self._conn = self._stderr = None
         self._reaped = [gone for gone in self._reaped if not gone.is_set()]  # a week of them
-        self._reaped.append(reaper.stop(process, conn, pump))
+        self._reaped.append(reaper.stop(process, conn, stderr))
 
     def rss_mb(self) -> float | None:
         """Resident memory of the current worker in MiB; None if it cannot be read."""
@@ -180,12 +181,12 @@ class ProcessHandle:
         standby, self._standby = self._standby, None
         if standby is not None:
             standby.stop()
-        process, conn, pump = self._process, self._conn, self._stderr_pump
+        process, conn, stderr = self._process, self._conn, self._stderr
         if process is not None and conn is not None:
             # The fields stay set meanwhile: a thread waiting on this worker sees it go,
             # and raises ClosedEnvironmentError instead of reporting a death.
-            stop_process(process, conn, pump, timeout_s)
-            self._process = self._conn = self._stderr_pump = None
+            stop_process(process, conn, stderr, timeout_s)
+            self._process = self._conn = self._stderr = None
         self._release()
         for reaped in self._reaped:
             reaped.wait(max(0.0, timeout_s - (time.monotonic() - began)) + RETIRE_TIMEOUT_S)
@@ -195,9 +196,9 @@ class ProcessHandle:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        if self._stderr_pump is not None:
-            self._stderr_pump.join(1.0)  # its EOF arrives once the worker's fd 2 is closed
-            self._stderr_pump = None
+        if self._stderr is not None:
+            self._stderr.join(1.0)  # its EOF arrives once the worker's fd 2 is closed
+            self._stderr = None
         if self._process is not None and self._process.exitcode is not None:
             self._process.close()  # releases its sentinel fd
             self._process = None

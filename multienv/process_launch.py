@@ -1,8 +1,8 @@
 """PARENT SIDE, subprocess backend: starting a worker process, now or ahead as a standby.
 
 ``WorkerRecipe.launch`` starts one worker process (from the module server by default) with
-a pipe for calls and one for its stderr, which a thread forwards to ours while keeping the
-last lines for crash reports. A ``Standby`` is a recycle's replacement worker, launched,
+a pipe for calls and one for its stderr, which ``stderr_relay`` forwards to ours while
+keeping the last lines for crash reports. A ``Standby`` is a recycle's replacement worker, launched,
 built and attached to the vector's shared memory on a thread of its own, so that taking it
 over costs the step no wait. ``attach`` gives a worker its vector's shared memory.
 """
@@ -16,7 +16,6 @@ import os
 import select
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
@@ -24,12 +23,13 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import send_handle
 from typing import Any
 
-from multienv import forkserver, framing, module_server
+from multienv import forkserver, framing, module_server, stderr_relay
 from multienv.framing import MessageReader, decode, encode
 from multienv.handles import Death
 from multienv.module_server_process import WorkerArgs
 from multienv.process_reaper import PIPE_ERRORS, stop_process
 from multienv.protocol import Command, OwnerWatch, Reply, Request, worker_main
+from multienv.stderr_relay import StderrPipe
 from multienv.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -49,12 +49,11 @@ class Launched:
     process: BaseProcess
     conn: Connection
     reader: MessageReader
-    stderr_tail: deque[str]
-    stderr_pump: threading.Thread
+    stderr: StderrPipe
 
     def kill(self) -> None:
         """Stop a worker no one took over, at once: CLOSE, then kill, then reap."""
-        stop_process(self.process, self.conn, self.stderr_pump, 0.0)
+        stop_process(self.process, self.conn, self.stderr, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +78,7 @@ class WorkerRecipe:
     is_probe: bool = False
 
     def launch(self) -> Launched:
-        """Start the process (from the module server when it can) and its stderr pump."""
+        """Start the process (from the module server when it can); relay its stderr."""
         parent_conn, child_conn = self.context.Pipe()
         stderr_read, stderr_write = self.context.Pipe(duplex=False)
         try:
@@ -87,18 +86,9 @@ class WorkerRecipe:
         finally:
             child_conn.close()
             stderr_write.close()
-        stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
-        stderr_pump = threading.Thread(
-            target=pump_stderr,
-            args=(stderr_read, stderr_tail),
-            name=f"multienv-stderr-{self.env_index}",
-            daemon=True,
-        )
-        stderr_pump.start()
+        stderr = stderr_relay.relay(stderr_read, _STDERR_TAIL_LINES)
         logger.info("env %d: started worker pid %d", self.env_index, process.pid)
-        return Launched(
-            process, parent_conn, MessageReader(parent_conn.fileno()), stderr_tail, stderr_pump
-        )
+        return Launched(process, parent_conn, MessageReader(parent_conn.fileno()), stderr)
 
     def _start(self, child_conn: Connection, stderr_write: Connection) -> Any:
         """Fork the worker from the module server if it can, else start it from the context."""
@@ -263,23 +253,3 @@ def attach(
 def poll_ms(deadline: float | None, now: float) -> int | None:
     """The ``poll()`` timeout that ends at ``deadline`` (monotonic seconds); None waits forever."""
     return None if deadline is None else max(0, math.ceil((deadline - now) * 1000))
-
-
-def pump_stderr(read_conn: Connection, tail: deque[str]) -> None:
-    """Forward a worker's stderr to ours, keeping its last lines for crash reports."""
-    fd = read_conn.fileno()
-    partial = b""
-    try:
-        while chunk := os.read(fd, 65536):
-            try:
-                os.write(2, chunk)
-            except OSError:
-                pass  # our own stderr is gone; keep collecting the tail
-            *lines, partial = (partial + chunk).split(b"\n")
-            tail.extend(line.decode(errors="replace") for line in lines)
-    except OSError:
-        pass
-    finally:
-        if partial:
-            tail.append(partial.decode(errors="replace"))
-        read_conn.close()

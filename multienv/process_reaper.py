@@ -15,13 +15,14 @@ from typing import Any
 
 from multienv.framing import encode, write_message
 from multienv.protocol import Command, Request
+from multienv.stderr_relay import StderrPipe
 
 PIPE_ERRORS = (EOFError, BrokenPipeError, ConnectionResetError)
 RETIRE_TIMEOUT_S = 5.0  # a retired worker may take this long to close its envs
 
 
 def stop_process(
-    process: BaseProcess, conn: Connection, pump: threading.Thread | None, timeout_s: float
+    process: BaseProcess, conn: Connection, stderr: StderrPipe | None, timeout_s: float
 ) -> None:
     """Ask a worker to close its envs and exit; kill it after ``timeout_s``; reap it."""
     try:
@@ -39,8 +40,8 @@ def stop_process(
             process.join(5.0)
     finally:
         conn.close()
-        if pump is not None:
-            pump.join(1.0)  # its EOF arrives once the worker's fd 2 is closed
+        if stderr is not None:
+            stderr.join(1.0)  # its EOF arrives once the worker's fd 2 is closed
         if process.exitcode is not None:
             process.close()
 
@@ -58,7 +59,7 @@ class Reaper:
         self._lock = threading.Lock()
 
     def stop(
-        self, process: BaseProcess, conn: Connection, pump: threading.Thread | None
+        self, process: BaseProcess, conn: Connection, stderr: StderrPipe | None
     ) -> threading.Event:
         """Queue a worker to be stopped (CLOSE, then killed after a while); set when gone."""
         gone = threading.Event()
@@ -68,14 +69,14 @@ class Reaper:
                     target=self._run, name="multienv-reaper", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((process, conn, pump, gone))
+        self._queue.put((process, conn, stderr, gone))
         return gone
 
     def _run(self) -> None:
         while True:
-            process, conn, pump, gone = self._queue.get()
+            process, conn, stderr, gone = self._queue.get()
             try:
-                stop_process(process, conn, pump, RETIRE_TIMEOUT_S)
+                stop_process(process, conn, stderr, RETIRE_TIMEOUT_S)
             finally:
                 gone.set()
 

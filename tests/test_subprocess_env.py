@@ -210,3 +210,28 @@ def test_env_fn_error_in_initialize_says_the_worker_exited_and_a_retry_uses_a_ne
         assert proxy.pid != first_pid
     finally:
         proxy.close()
+
+
+class _Chatty(CountingEnv):
+    def reset(self, *, seed=None, options=None):
+        import sys
+
+        print(f"chatty {seed} says hello", file=sys.stderr, flush=True)
+        return super().reset(seed=seed, options=options)
+
+
+def test_every_workers_stderr_reaches_ours_and_stays_in_its_tail(capfd):
+    # One relay thread reads the stderr pipes of all the workers (stderr_relay).
+    envs = create_subprocess_envs([_Chatty] * 3)
+    try:
+        for seed, proxy in enumerate(envs):
+            proxy.reset(seed=seed)
+    finally:
+        for proxy in envs:
+            proxy.close()
+    err = capfd.readouterr().err
+    for seed in range(3):
+        assert f"chatty {seed} says hello" in err
+    # The pipe is read to its end at close: each tail holds its own worker's lines only.
+    for seed, proxy in enumerate(envs):
+        assert proxy.supervisor.handle.stderr_tail() == (f"chatty {seed} says hello",)
