@@ -244,6 +244,8 @@ class FanOut:
             shared_memory,
         )
         try:
+            for group in self.groups:  # every worker's first message, then each one's acks
+                group.supervisor.begin_link()
             for group in self.groups:
                 group.supervisor.join_link()
         except BaseException:

@@ -99,6 +99,9 @@ class SharedMemoryHandle(WorkerHandle, Protocol):
     def is_linked(self) -> bool:
         """Whether the handle is linked into a vector's shared memory now."""
 
+    def begin_link(self) -> None:
+        """Send the current worker what needs no answer yet; ``join_link`` does the rest."""
+
     def join_link(self, deadline: float | None) -> Death | None:
         """Give the current worker what its vector's link shares; None when done."""
 

@@ -27,7 +27,14 @@ from gymnasium.error import ClosedEnvironmentError
 from multienv import framing, module_server
 from multienv.framing import DONE_OK, MessageReader, decode, encode, frame, write_frame
 from multienv.handles import Death
-from multienv.process_launch import LinkPayload, Standby, WorkerRecipe, attach, poll_ms
+from multienv.process_launch import (
+    LinkPayload,
+    Standby,
+    WorkerRecipe,
+    attach,
+    poll_ms,
+    send_attach,
+)
 from multienv.process_reaper import PIPE_ERRORS, RETIRE_TIMEOUT_S, reaper, stop_process
 from multienv.procfs import resident_mb
 from multienv.protocol import (
@@ -69,6 +76,7 @@ class ProcessHandle:
         self._poller: Any = None  # select.poll over the pipe, the sentinel and the done pipe
         self._stderr: StderrPipe | None = None
         self._stderr_tail: deque[str] = deque()  # kept once the pipe is closed
+        self._is_attach_sent = False  # begin_link sent ATTACH to the current worker
         self._is_closing = threading.Event()
         self._standby: Standby | None = None  # a recycle's replacement, started ahead
         self._ready_reply: Reply | None = None  # a standby's, for the handshake after spawn
@@ -193,6 +201,7 @@ class ProcessHandle:
         self._reaped.clear()
 
     def _release(self) -> None:
+        self._is_attach_sent = False
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -335,14 +344,29 @@ class ProcessHandle:
 
     # ----------------------------------------------------------------- the vector's link
 
+    def begin_link(self) -> None:
+        """Send the worker the ATTACH command now; ``join_link`` waits for its ack.
+
+        A vector sends it to all its workers before it joins them one by one, so that their
+        acks cost one round trip, not one each.
+        """
+        if self._shared is None or self._conn is None or self._is_attach_sent:
+            return
+        send_attach(self._conn, self._link_payload(self._pid or 0))
+        self._is_attach_sent = True
+
     def join_link(self, deadline: float | None) -> Death | None:
-        """Send the shared memory and done pipe to the worker; two round trips."""
+        """Send the shared memory and done pipe to the worker; two round trips (one if begun)."""
         if self._shared is None:
             return None
         assert self._conn is not None
         self._notify_seq = 0
+        is_sent, self._is_attach_sent = self._is_attach_sent, False
         return attach(
-            self._conn, self._link_payload(self._pid or 0), lambda: self._receive(deadline)
+            self._conn,
+            self._link_payload(self._pid or 0),
+            lambda: self._receive(deadline),
+            is_sent,
         )
 
     def _link_payload(self, pid: int) -> LinkPayload:

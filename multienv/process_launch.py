@@ -226,28 +226,37 @@ def _await_ready(launched: Launched, deadline: float, link: LinkPayload | None) 
     return ready
 
 
+def send_attach(conn: Connection, link: LinkPayload) -> None:
+    """The first half of ``attach``: the command, which the worker acks before the fds come."""
+    try:
+        framing.write_message(conn.fileno(), encode(Request(Command.ATTACH, -1, link[0])))
+    except PIPE_ERRORS:
+        pass  # the worker is dead; the next receive sees its sentinel
+
+
 def attach(
-    conn: Connection, link: LinkPayload, receive: Callable[[], Reply | Death]
+    conn: Connection,
+    link: LinkPayload,
+    receive: Callable[[], Reply | Death],
+    is_sent: bool = False,
 ) -> Death | None:
-    """Attach a worker to its vector's shared memory: the command, then the fds, each acked."""
-    payload, memory_fd, done_fd, pid = link
+    """Attach a worker to its vector's shared memory: the command, then the fds, each acked.
 
-    def send_attach() -> None:
-        framing.write_message(conn.fileno(), encode(Request(Command.ATTACH, -1, payload)))
-
-    def send_fds() -> None:
+    ``is_sent``: the command was sent already (``send_attach``); wait for its ack.
+    """
+    _, memory_fd, done_fd, pid = link
+    if not is_sent:
+        send_attach(conn, link)
+    reply = receive()
+    if isinstance(reply, Death):
+        return reply
+    try:
         send_handle(conn, memory_fd, pid)
         send_handle(conn, done_fd, pid)
-
-    for send in (send_attach, send_fds):
-        try:
-            send()
-        except PIPE_ERRORS:
-            pass  # the worker is dead; receive() sees its sentinel
-        reply = receive()
-        if isinstance(reply, Death):
-            return reply
-    return None
+    except PIPE_ERRORS:
+        pass  # the worker is dead; receive() sees its sentinel
+    reply = receive()
+    return reply if isinstance(reply, Death) else None
 
 
 def poll_ms(deadline: float | None, now: float) -> int | None:

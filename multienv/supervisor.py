@@ -193,6 +193,11 @@ class WorkerSupervisor:
         if not self._open_positions:
             self.close(timeout)
 
+    def begin_link(self) -> None:
+        """Start giving the worker its vector's link; ``join_link`` finishes (no wait here)."""
+        if self._shm_handle is not None and self._state is EnvState.READY:
+            self._shm_handle.begin_link()
+
     def join_link(self) -> None:
         """Give the worker what its vector's link shares (respawning it if it dies meanwhile)."""
         self._cuts.forget_obs()

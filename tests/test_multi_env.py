@@ -11,7 +11,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from multienv import EnvStateError, MultiEnv, create_subprocess_envs
-from tests.conftest import live_workers
+from tests.conftest import live_workers, wait_until_dead
 from tests.envs import (
     BoxActionEnv,
     CountingEnv,
@@ -316,3 +316,22 @@ def test_unknown_backend_is_rejected_before_anything_starts():
     with pytest.raises(ValueError, match=r"backend must be one of \['ray', 'subprocess'\]"):
         MultiEnv([CountingEnv] * 2, backend="nope")
     assert live_workers() == []
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(60)
+def test_a_worker_killed_before_the_vector_links_it_is_respawned_and_linked():
+    # The vector sends every worker its ATTACH before it joins them one by one
+    # (FanOut.link_workers): a dead one is found at its join, respawned and linked.
+    proxies = create_subprocess_envs([CountingEnv] * 3)
+    killed = proxies[1].pid
+    os.kill(killed, signal.SIGKILL)
+    wait_until_dead([killed])
+    with MultiEnv(proxies) as envs:
+        assert envs.envs[1].pid != killed
+        assert envs.envs[1].restarts == 1
+        assert envs._link is not None
+        assert all(p.supervisor.handle.is_linked for p in proxies)
+        envs.reset(seed=0)
+        obs, *_ = envs.step(np.ones(3, dtype=np.int64))
+        assert obs[:, 0].tolist() == [1.0, 1.0, 1.0]

@@ -216,7 +216,8 @@ class _Chatty(CountingEnv):
     def reset(self, *, seed=None, options=None):
         import sys
 
-        print(f"chatty {seed} says hello", file=sys.stderr, flush=True)
+        sys.stderr.write(f"chatty {seed} says hello\n")
+        sys.stderr.flush()
         return super().reset(seed=seed, options=options)
 
 
