@@ -501,25 +501,44 @@ envs.close()
 """
 
 
+# A later vector of the same process: its workers fork from the module server at once.
+_LATER_CODE = """
+import functools, statistics, time, gymnasium as gym
+from multienv import MultiEnv
+envs = {build}
+envs.reset(seed=0)
+envs.close()
+times = []
+for _ in range(3):
+    began = time.perf_counter()
+    envs = {build}
+    envs.reset(seed=0)
+    times.append(time.perf_counter() - began)
+    envs.close()
+print(statistics.median(times))
+"""
+
+
 def time_startup(n: int, repeats: int = 3) -> dict[str, float]:
-    """Seconds from constructing N CartPole envs to the first reset, each in a fresh process."""
+    """Seconds from constructing N CartPole envs to the first reset.
+
+    The first vector of a fresh process, and (rows ending in "later vector") the median of
+    3 vectors built after it in one process, each in ``repeats`` fresh processes.
+    """
     fns = f"[functools.partial(gym.make, 'CartPole-v1')] * {n}"
-    builds = {
-        "gymnasium AsyncVectorEnv": (
-            "gymnasium.vector",
-            "AsyncVectorEnv",
-            f"AsyncVectorEnv({fns})",
+    codes = {
+        "gymnasium AsyncVectorEnv": _STARTUP_CODE.format(
+            module="gymnasium.vector", name="AsyncVectorEnv", build=f"AsyncVectorEnv({fns})"
         ),
     }
     for k in sorted({1, n // 2, n}):
-        builds[f"multienv k={k}"] = (
-            "multienv",
-            "MultiEnv",
-            f"MultiEnv({fns}, envs_per_worker={k})",
+        build = f"MultiEnv({fns}, envs_per_worker={k})"
+        codes[f"multienv k={k}"] = _STARTUP_CODE.format(
+            module="multienv", name="MultiEnv", build=build
         )
+        codes[f"multienv k={k}, later vector"] = _LATER_CODE.format(build=build)
     results = {}
-    for label, (module, name, build) in builds.items():
-        code = _STARTUP_CODE.format(module=module, name=name, build=build)
+    for label, code in codes.items():
         times = [
             float(
                 subprocess.run(
@@ -763,7 +782,7 @@ def main(args: Args) -> int:
     results["startup_s_n16"] = startup
     print("\nstart-up, N=16 CartPole, construct + first reset, fresh process (median of 3):")
     for label, seconds in startup.items():
-        print(f"  {label:<26}{seconds:>8.2f} s")
+        print(f"  {label:<34}{seconds:>8.3f} s")
     # Each in a fresh process, so that preload reaches a forkserver of its own.
     memory = {label: in_fresh_process(args, f"memory:{label}") for label in MEMORY_LABELS}
     results["private_mb_n16"] = memory
