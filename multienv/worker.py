@@ -159,6 +159,17 @@ class _Loop:
         self.runner = runner
         self.writer: SlotWriter | None = None  # set by ATTACH
         self.spin_s = spin_s
+        self.is_trimmed = False  # the heap was trimmed after the first resets
+
+    def _trim_once(self) -> None:
+        """After the worker's first batch with resets, give the heap's free pages back.
+
+        Once: what building the envs and their first reset left. Not at every reset, as
+        autoresets are: each trim costs 0.2 ms or more, and the steps that follow fault
+        the pages it gave back in again.
+        """
+        self.is_trimmed = True
+        release_free_memory()
 
     def serve(self) -> None:
         read = MessageReader(self.fd, self.spin_s).read
@@ -181,8 +192,12 @@ class _Loop:
             else:
                 reply = self.runner.serve(message)
             write_message(self.fd, encode_reply(reply, message))
-            if message.command is Command.BATCH and any(o.is_reset for o in message.payload):
-                release_free_memory()
+            if (
+                not self.is_trimmed
+                and message.command is Command.BATCH
+                and any(order.is_reset for order in message.payload)
+            ):
+                self._trim_once()
 
     def _attach(self, payload: tuple[BatchLayout, int, list[int]]) -> None:
         # The parent sends the fds only after this ack, so no read of ours can swallow them.
@@ -282,8 +297,8 @@ class _Loop:
         else:
             writer.notify(seq, DONE_REPLY)
             write_message(self.fd, encode_reply(Reply(extras, schemas=schemas), None, resets))
-        if resets:
-            release_free_memory()
+        if resets and not self.is_trimmed:
+            self._trim_once()
 
 
 def set_process_name(name: str) -> None:
@@ -310,10 +325,10 @@ def release_free_memory() -> None:
     """Give the allocator's free pages back to the system (glibc's ``malloc_trim``).
 
     glibc keeps freed memory in its heap, resident, unless it is at the top. A worker calls
-    this after a batch with explicit resets (rare in training: the first batch, mostly),
-    where its envs drop what their construction or last episode allocated: 0.9 MiB in a
-    worker of 8 Pong envs. A fork source calls it before it forks workers: 2.5 MiB in the
-    module server once it imported Pong's modules. It takes about 0.2 ms.
+    this once, after its first batch with resets, where its envs dropped what their
+    construction and first reset allocated: 0.9 MiB in a worker of 8 Pong envs. A fork
+    source calls it before it forks workers: 2.5 MiB in the module server once it imported
+    Pong's modules. It takes about 0.2 ms.
     """
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None)
