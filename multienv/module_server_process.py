@@ -89,6 +89,7 @@ class WorkerArgs:
     settings: Any
     cwd: str  # the parent's working directory now: a worker starts in it
     is_probe: bool = False  # a worker that builds env 0 only to report its modules
+    environ: dict[str, str] | None = None  # the parent's environment now: a worker gets it
 
 
 def main(fd: int) -> None:
@@ -213,6 +214,21 @@ def _reap(status_fds: dict[int, int]) -> None:
                 os.close(fd)
 
 
+def _adopt_environ(environ: dict[str, str]) -> None:
+    """In the forked worker: take the parent's environment, as a forked child of it would.
+
+    The server's own is the parent's as it was when the server started: a variable the
+    parent set or removed since (``MUJOCO_GL``, ``CUDA_VISIBLE_DEVICES``) would otherwise
+    not reach the worker. The thread variables the server started with are the worker
+    settings' to set again (``WorkerSettings.apply``).
+    """
+    for name in os.environ.keys() - environ.keys():
+        del os.environ[name]
+    for name, value in environ.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 def _watch_in_child(server_pid: int, is_watching: bool) -> OwnerWatch:
     """In the forked worker: die with the server; how it watches its owner (``OwnerWatch``).
 
@@ -249,6 +265,8 @@ def _run_child(
             os.close(fd)
         if args.cwd != os.getcwd():
             os.chdir(args.cwd)
+        if args.environ is not None:
+            _adopt_environ(args.environ)
         if main_failed is not None:
             os.dup2(stderr_fd, 2)  # the traceback reaches the parent's crash report
             import_main(main_failed, is_raising=True)

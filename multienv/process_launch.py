@@ -104,6 +104,7 @@ class WorkerRecipe:
                 self.settings,
                 os.getcwd(),
                 self.is_probe,
+                dict(os.environ),
             )
             try:
                 served = server.launch(child_conn, stderr_write, args, name)

@@ -569,6 +569,13 @@ class LeakyEnv(CountingEnv):
         return super().step(action)
 
 
+class EnvironEcho(CountingEnv):
+    """Reads its worker's environment variables (``call("getenv", name)``)."""
+
+    def getenv(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+
 class FragmentingEnv(CountingEnv):
     """Each reset allocates 32 MiB in 4 KiB arrays and keeps one in 32, like a sim's loader.
 

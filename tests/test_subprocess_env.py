@@ -14,7 +14,7 @@ from multienv import (
     create_subprocess_envs,
 )
 from tests.conftest import live_workers
-from tests.envs import CountingEnv, RaiseInInit, RaiseOnStep, SlowInitEnv
+from tests.envs import CountingEnv, EnvironEcho, RaiseInInit, RaiseOnStep, SlowInitEnv
 
 
 @pytest.fixture
@@ -236,3 +236,22 @@ def test_every_workers_stderr_reaches_ours_and_stays_in_its_tail(capfd):
     # The pipe is read to its end at close: each tail holds its own worker's lines only.
     for seed, proxy in enumerate(envs):
         assert proxy.supervisor.handle.stderr_tail() == (f"chatty {seed} says hello",)
+
+
+def test_a_worker_sees_the_parents_environment_as_it_is_when_the_worker_starts(monkeypatch):
+    # The module server's environment is the parent's when the server started (the first
+    # vector of the session); each worker it forks gets the parent's current one.
+    first = SubprocessEnv(EnvironEcho)
+    first.start()
+    first.initialize()
+    first.close()
+    monkeypatch.setenv("MULTIENV_TEST_SET_LATER", "egl")
+    monkeypatch.delenv("HOME", raising=False)
+    proxy = SubprocessEnv(EnvironEcho)
+    proxy.start()
+    proxy.initialize()
+    try:
+        assert proxy.call("getenv", "MULTIENV_TEST_SET_LATER") == "egl"
+        assert proxy.call("getenv", "HOME") is None
+    finally:
+        proxy.close()
