@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 STATUS = struct.Struct("<i")  # a pid, or an exit status: the code, or minus the signal
 READY = b"ready"
 REFUSED = b"refused"
-MAX_REQUEST = 64 * 1024  # bytes; one datagram. Larger factories start from the forkserver
+MAX_REQUEST = 64 * 1024  # bytes; one datagram: factories and environment. Larger: forkserver
 BOOTSTRAP = (
     "import sys; sys.path[:] = sys.argv[2:]; "
     "from multienv.module_server_process import main; main(int(sys.argv[1]))"
