@@ -12,6 +12,7 @@ reach a vector's workers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -243,12 +244,19 @@ class FanOut:
             self.slices,
             shared_memory,
         )
+        for group in self.groups:  # every worker's first message, then each one's acks
+            group.supervisor.begin_link()
+        joined = 0
         try:
-            for group in self.groups:  # every worker's first message, then each one's acks
-                group.supervisor.begin_link()
             for group in self.groups:
                 group.supervisor.join_link()
+                joined += 1
         except BaseException:
+            # The workers after the one that failed got their first message: finish their
+            # links, or they would wait for fds and misread their owner's next call.
+            for group in self.groups[joined + 1 :]:
+                with contextlib.suppress(Exception):
+                    group.supervisor.join_link()
             link.close()
             raise
         self.link = link

@@ -10,7 +10,13 @@ from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 from gymnasium.vector.utils import batch_space
 
-from multienv import EnvStateError, MultiEnv, create_subprocess_envs
+from multienv import (
+    EnvCrashedError,
+    EnvStateError,
+    MultiEnv,
+    RestartPolicy,
+    create_subprocess_envs,
+)
 from tests.conftest import live_workers, wait_until_dead
 from tests.envs import (
     BoxActionEnv,
@@ -335,3 +341,26 @@ def test_a_worker_killed_before_the_vector_links_it_is_respawned_and_linked():
         envs.reset(seed=0)
         obs, *_ = envs.step(np.ones(3, dtype=np.int64))
         assert obs[:, 0].tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(60)
+def test_ready_envs_a_vector_failed_to_link_still_answer():
+    # The vector sends every worker its ATTACH before it joins any. When one join fails (a
+    # dead worker that may not be respawned), the workers after it must not be left half
+    # attached: the caller still owns these envs.
+    proxies = create_subprocess_envs(
+        [CountingEnv] * 3, restart_policy=RestartPolicy(max_restarts=0)
+    )
+    try:
+        killed = proxies[0].pid
+        os.kill(killed, signal.SIGKILL)
+        wait_until_dead([killed])
+        with pytest.raises(EnvCrashedError):
+            MultiEnv(proxies)
+        for proxy in proxies[1:]:
+            proxy.reset(seed=0)
+            assert proxy.step(1)[0].tolist() == [1.0]
+    finally:
+        for proxy in proxies:
+            proxy.close()
