@@ -2,9 +2,10 @@
 
 ``WorkerRecipe.launch`` starts one worker process (from the module server by default) with
 a pipe for calls and one for its stderr, which ``stderr_relay`` forwards to ours while
-keeping the last lines for crash reports. A ``Standby`` is a recycle's replacement worker, launched,
-built and attached to the vector's shared memory on a thread of its own, so that taking it
-over costs the step no wait. ``attach`` gives a worker its vector's shared memory.
+keeping the last lines for crash reports. A ``Standby`` is a recycle's replacement worker,
+launched, built and attached to the vector's shared memory on a thread of its own, so that
+taking it over costs the step no wait. ``attach`` gives a worker its vector's shared
+memory (``send_attach`` sends its first half ahead).
 """
 
 from __future__ import annotations
