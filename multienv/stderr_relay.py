@@ -70,6 +70,7 @@ class _Relay:
         self.pid = os.getpid()
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)  # a full pipe wakes the thread all the same
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
         self._new: list[StderrPipe] = []
@@ -78,7 +79,10 @@ class _Relay:
     def add(self, pipe: StderrPipe) -> None:
         with self._lock:
             self._new.append(pipe)
-        os.write(self._wake_w, b"\0")
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass
 
     def _run(self) -> None:
         selector = self._selector
