@@ -218,9 +218,10 @@ def _adopt_environ(environ: dict[str, str]) -> None:
     """In the forked worker: take the parent's environment, as a forked child of it would.
 
     The server's own is the parent's as it was when the server started: a variable the
-    parent set or removed since (``MUJOCO_GL``, ``CUDA_VISIBLE_DEVICES``) would otherwise
-    not reach the worker. The thread variables the server started with are the worker
-    settings' to set again (``WorkerSettings.apply``).
+    parent set or removed since (``CUDA_VISIBLE_DEVICES``, say) would otherwise not reach
+    the worker. A module the server imported already read its variables then. The thread
+    variables the server started with are the worker settings' to set again
+    (``WorkerSettings.apply``).
     """
     for name in os.environ.keys() - environ.keys():
         del os.environ[name]
