@@ -258,8 +258,11 @@ def test_workers_fork_from_the_module_server_alone_in_the_parents_current_direct
     assert report["cwd_of_later"] == str(tmp_path)
 
 
-def write_threaded_package(directory):
-    """A package that starts a thread when imported, as some do, and makes a CountingEnv."""
+def run_with_threaded_package(directory, script):
+    """Run ``script`` beside a package that starts a thread when imported, as some do.
+
+    The package's ``make()`` returns a CountingEnv. Returns the finished run, which exited 0.
+    """
     (directory / "threaded_package.py").write_text(
         "import threading, time\n"
         "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
@@ -267,6 +270,9 @@ def write_threaded_package(directory):
         "    from tests.envs import CountingEnv\n"
         "    return CountingEnv()\n"
     )
+    done = run_python(["-c", script], path=[directory])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
 
 
 _THREAD_AT_IMPORT_SCRIPT = """
@@ -306,9 +312,7 @@ if True:  # run with -c: no script file for workers to import
 def test_env_modules_that_start_a_thread_leave_the_servers_workers_and_use_the_forkserver(
     tmp_path,
 ):
-    write_threaded_package(tmp_path)
-    done = run_python(["-c", _THREAD_AT_IMPORT_SCRIPT], path=[tmp_path])
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_with_threaded_package(tmp_path, _THREAD_AT_IMPORT_SCRIPT)
     report = json.loads(done.stdout.strip().splitlines()[-1])
     # The server forked the first workers, then refused the modules; they keep running.
     assert set(report["first_parents"]) == {report["server"]}
@@ -407,9 +411,7 @@ if True:  # run with -c: no script file for workers to import
 def test_a_launch_that_reaches_a_refusing_server_raises_instead_of_returning_a_process(
     tmp_path,
 ):
-    write_threaded_package(tmp_path)
-    done = run_python(["-c", _LAUNCH_AFTER_REFUSAL_SCRIPT], path=[tmp_path])
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_with_threaded_package(tmp_path, _LAUNCH_AFTER_REFUSAL_SCRIPT)
     assert done.stdout.split()[-2:] == ["OSError", "True"]
 
 
