@@ -569,6 +569,15 @@ class LeakyEnv(CountingEnv):
         return super().step(action)
 
 
+class ChattyReset(CountingEnv):
+    """Writes a line with its seed to its stderr at each reset."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        sys.stderr.write(f"chatty {seed} says hello\n")
+        sys.stderr.flush()
+        return super().reset(seed=seed, options=options)
+
+
 class EnvironEcho(CountingEnv):
     """Reads its worker's environment variables (``call("getenv", name)``)."""
 

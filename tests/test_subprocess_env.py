@@ -14,7 +14,14 @@ from multienv import (
     create_subprocess_envs,
 )
 from tests.conftest import live_workers
-from tests.envs import CountingEnv, EnvironEcho, RaiseInInit, RaiseOnStep, SlowInitEnv
+from tests.envs import (
+    ChattyReset,
+    CountingEnv,
+    EnvironEcho,
+    RaiseInInit,
+    RaiseOnStep,
+    SlowInitEnv,
+)
 
 
 @pytest.fixture
@@ -212,18 +219,9 @@ def test_env_fn_error_in_initialize_says_the_worker_exited_and_a_retry_uses_a_ne
         proxy.close()
 
 
-class _Chatty(CountingEnv):
-    def reset(self, *, seed=None, options=None):
-        import sys
-
-        sys.stderr.write(f"chatty {seed} says hello\n")
-        sys.stderr.flush()
-        return super().reset(seed=seed, options=options)
-
-
 def test_every_workers_stderr_reaches_ours_and_stays_in_its_tail(capfd):
     # One relay thread reads the stderr pipes of all the workers (stderr_relay).
-    envs = create_subprocess_envs([_Chatty] * 3)
+    envs = create_subprocess_envs([ChattyReset] * 3)
     try:
         for seed, proxy in enumerate(envs):
             proxy.reset(seed=seed)
