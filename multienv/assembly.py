@@ -24,6 +24,7 @@ from multienv.protocol import StepPlan
 from multienv.worker_stats import VectorCounters
 
 StepBatch = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
+_ALL = slice(None)
 # SAME_STEP, after a crash: reset that env now; returns its final obs, new obs and reset info.
 ResetAfterCrash = Callable[[int], tuple[Any, Any, dict[str, Any]]]
 
@@ -117,6 +118,8 @@ class Assembly:
         self, outcome: Outcome, groups: Sequence[WorkerGroup], plan: StepPlan | None
     ) -> tuple[StepBatch, dict[int, BaseException]]:
         """The step's batch, and its errors by env index (an env that raised did not step)."""
+        if plan is not None and _is_clean(outcome, len(groups)):
+            return self._clean_step(plan), {}
         rewards, terminations, truncations = self._rewards, self._terminations, self._truncations
         pickled: dict[int, dict[str, Any]] = {}  # infos that came through the pipe, by env
         errors: dict[int, BaseException] = {}
@@ -233,6 +236,17 @@ class Assembly:
         self._observations = concatenate(self.observation_space, self.env_obs, self._observations)
         return deepcopy(self._observations) if self.copy else self._observations
 
+    def _clean_step(self, plan: StepPlan) -> StepBatch:
+        """The usual step: every worker's part of a plan is in shared memory, infos too."""
+        link = self.shared_link
+        assert link is not None
+        rewards, terminated, truncated = link.commit(plan, _ALL)
+        done = terminated | truncated
+        self.autoreset.after_episodes(_ALL, done)
+        self.counters.note_planned(_ALL, plan.is_reset, done)
+        infos = link.merge_info_columns({}, _ALL, self._infos.add)
+        return self.observations(), rewards.copy(), terminated.copy(), truncated.copy(), infos
+
     def _commit(self, plan: StepPlan, index: slice) -> None:
         """Take the results of envs ``index`` of a planned step from shared memory."""
         assert self.shared_link is not None
@@ -240,8 +254,9 @@ class Assembly:
         self._rewards[index] = rewards
         self._terminations[index] = terminated
         self._truncations[index] = truncated
-        self.autoreset.after_step(index, terminated, truncated)
-        self.counters.note_planned(index, plan.is_reset[index], terminated, truncated)
+        done = terminated | truncated
+        self.autoreset.after_episodes(index, done)
+        self.counters.note_planned(index, plan.is_reset[index], done)
 
     def _column_infos(
         self,
@@ -269,3 +284,10 @@ class Assembly:
         final_obs, obs, reset_info = self._reset_after_crash(env_index)
         self.env_obs[env_index] = obs
         return same_step_info(final_obs, info, reset_info)
+
+
+def _is_clean(outcome: Outcome, num_workers: int) -> bool:
+    """Whether every worker answered its part of a planned step with all of it in memory."""
+    if len(outcome) != num_workers:
+        return False
+    return all(result is None and not errors for result, errors in outcome.values())

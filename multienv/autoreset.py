@@ -114,8 +114,12 @@ class Autoreset:
 
     def after_step(self, env_ids: Any, terminated: np.ndarray, truncated: np.ndarray) -> None:
         """Note which episodes the step ended (SAME_STEP reset them already)."""
+        self.after_episodes(env_ids, terminated | truncated)
+
+    def after_episodes(self, env_ids: Any, done: np.ndarray) -> None:
+        """``after_step`` with ``terminated | truncated`` given."""
         if not self.is_same_step:
-            self.needs_reset[env_ids] = terminated | truncated
+            self.needs_reset[env_ids] = done
 
     def step_info(self, extra: Outcome, is_done: bool) -> tuple[dict[str, Any], bool]:
         """The info to report for one env's step, and whether the vector must reset it now.

@@ -33,6 +33,9 @@ MAX_SCHEMAS = 255  # per worker; ids are uint8, 0 meaning "no info in the row"
 SCHEMA_DTYPE = np.dtype(np.uint8)
 CELL_DTYPE = np.dtype(np.float64)  # ints and bools go through an int64 view of the same cells
 
+_ALL = slice(None)
+_MAX_WHOLE = 64  # the id patterns whose schema ``ColumnReader`` remembers
+
 _PLAIN = (int, float, bool)  # Gymnasium's own test: ``type(value) in [int, float, bool]``
 
 
@@ -151,7 +154,7 @@ class _Known:
 
     schema: InfoSchema
     columns: tuple[tuple[Any, int, bool, np.dtype[Any]], ...]  # key, cell, is_float, dtype
-    blocks: tuple[tuple[bool, np.ndarray, np.dtype[Any]], ...]
+    blocks: tuple[tuple[bool, slice | np.ndarray, np.dtype[Any]], ...]
     layout: tuple[tuple[Any, str, int, int], ...]  # key, "_key", block, row in the block
 
     @classmethod
@@ -167,10 +170,29 @@ class _Known:
             block = kinds.index((is_float, dtype))
             layout.append((key, f"_{key}", block, block_of[is_float, dtype].index(cell)))
         blocks = tuple(
-            (is_float, np.array(cells, dtype=np.intp), dtype)
-            for (is_float, dtype), cells in block_of.items()
+            (is_float, _as_slice(cells), dtype) for (is_float, dtype), cells in block_of.items()
         )
         return cls(schema, columns, blocks, tuple(layout))
+
+    def whole_columns(self, floats: np.ndarray, ints: np.ndarray) -> dict[str, Any]:
+        """Every env's info, all of this schema: one copy per dtype, then views of it."""
+        blocks = []
+        for is_float, cells, dtype in self.blocks:
+            source = (floats if is_float else ints)[:, cells].T
+            blocks.append(source.copy() if source.dtype == dtype else source.astype(dtype, "C"))
+        masks = np.ones((len(self.layout), len(floats)), dtype=np.bool_)
+        infos: dict[str, Any] = {}
+        for row, (key, mask_key, block, block_row) in enumerate(self.layout):
+            infos[key] = blocks[block][block_row]
+            infos[mask_key] = masks[row]
+        return infos
+
+
+def _as_slice(cells: list[int]) -> slice | np.ndarray:
+    """Cells that follow each other as a slice (a view, not a copy), else an index array."""
+    if cells == list(range(cells[0], cells[0] + len(cells))):
+        return slice(cells[0], cells[0] + len(cells))
+    return np.array(cells, dtype=np.intp)
 
 
 class ColumnReader:
@@ -196,6 +218,8 @@ class ColumnReader:
         self._known: list[_Known | None] = [None]  # by global id; 0 is "none"
         # (worker, its id) -> global id; a respawned worker's ids overwrite its old ones
         self._table = np.zeros((num_workers, MAX_SCHEMAS + 1), dtype=np.int32)
+        # The schema ids of every env, as bytes -> the one schema they all name, or None
+        self._whole: dict[bytes, _Known | None] = {}
 
     def register(self, worker_index: int, schemas: Sequence[tuple[int, InfoSchema]]) -> None:
         """Note the schemas a worker numbered; it sends them before the rows that use them."""
@@ -206,6 +230,7 @@ class ColumnReader:
                     global_id = self._global_of[schema] = len(self._known)
                     self._known.append(_Known.of(schema))
                 self._table[worker_index, schema_id] = global_id
+            self._whole.clear()
 
     def merge(
         self, pickled: dict[int, dict[str, Any]], fresh: slice | np.ndarray, add_info: AddInfo
@@ -221,26 +246,16 @@ class ColumnReader:
         (which env comes first then decides the dtype); then every info goes through
         ``add_info``, the rows made back into dicts.
         """
+        if not pickled and isinstance(fresh, slice) and fresh == _ALL:
+            # the usual step: every env, one schema; whole columns, one copy per dtype
+            known = self._whole_schema()
+            if known is not None:
+                return known.whole_columns(self._floats, self._ints)
         local = self._ids[fresh]
         if not local.any():
             return _merge_in_order(pickled, add_info)
         global_ids = self._table[self._worker_of_env[fresh], local]
         size = len(self._ids)
-        first = int(global_ids[0])
-        if first and not pickled and isinstance(fresh, slice) and (global_ids == first).all():
-            # the usual step: every env, one schema; whole columns, one copy per dtype
-            known = self._known[first]
-            assert known is not None
-            blocks = [
-                (self._floats if is_float else self._ints)[:, cells].T.astype(dtype, order="C")
-                for is_float, cells, dtype in known.blocks
-            ]
-            masks = np.ones((len(known.layout), size), dtype=np.bool_)
-            infos: dict[str, Any] = {}
-            for row, (key, mask_key, block, block_row) in enumerate(known.layout):
-                infos[key] = blocks[block][block_row]
-                infos[mask_key] = masks[row]
-            return infos
         rows_of_vector = np.arange(size)[fresh]
         present = [
             (known, rows_of_vector[global_ids == global_id])
@@ -264,6 +279,19 @@ class ColumnReader:
                 array[rows] = source[rows, cell]
                 infos[f"_{key}"][rows] = True
         return infos
+
+    def _whole_schema(self) -> _Known | None:
+        """The schema of every env's row, if they all have the same one; else None."""
+        ids = self._ids.tobytes()
+        if ids in self._whole:
+            return self._whole[ids]
+        global_ids = self._table[self._worker_of_env, self._ids]
+        first = int(global_ids[0])
+        known = self._known[first] if first and (global_ids == first).all() else None
+        if len(self._whole) >= _MAX_WHOLE:
+            self._whole.clear()
+        self._whole[ids] = known
+        return known
 
     def _row_info(self, known: _Known, row: int) -> dict[str, Any]:
         """One env's info back as a dict, each value of the type the env gave."""

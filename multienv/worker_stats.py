@@ -128,10 +128,8 @@ class VectorCounters:
         self.steps[index], self.episodes[index] = stats.steps, stats.episodes
         stats.steps, stats.episodes = self.steps[index], self.episodes[index]
 
-    def note_planned(
-        self, index: slice, is_reset: np.ndarray, terminated: np.ndarray, truncated: np.ndarray
-    ) -> None:
-        """Count envs ``index`` of a planned step that came back clean."""
+    def note_planned(self, index: slice, is_reset: np.ndarray, done: np.ndarray) -> None:
+        """Count envs ``index`` of a planned step that came back clean (``done``: ended)."""
         stepped = ~is_reset
         self.steps[index] += stepped
-        self.episodes[index] += stepped & (terminated | truncated)
+        self.episodes[index] += stepped & done
