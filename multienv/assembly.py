@@ -243,7 +243,10 @@ class Assembly:
         rewards, terminated, truncated = link.commit(plan, _ALL)
         done = terminated | truncated
         self.autoreset.after_episodes(_ALL, done)
-        self.counters.note_planned(_ALL, plan.is_reset, done)
+        if plan.num_resets:
+            self.counters.note_planned(_ALL, plan.is_reset, done)
+        else:
+            self.counters.note_steps(done)
         infos = link.merge_info_columns({}, _ALL, self._infos.add)
         return self.observations(), rewards.copy(), terminated.copy(), truncated.copy(), infos
 

@@ -526,8 +526,8 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
                     f"(call {state}_wait() first).",
                     state,
                 )
-        flying = self._in_flight.env_ids()
-        if flying:
+        if self._in_flight.is_busy():
+            flying = self._in_flight.env_ids()
             raise EnvStateError(
                 f"MultiEnv.{name}() called while envs {flying} are in flight "
                 "after send(); call recv() until none is left."
@@ -556,7 +556,7 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
 
     def _split_actions(self, actions: Any, env_ids: list[int] | None) -> Any:
         """The actions as one array (array spaces) or list, checked; errors name the env."""
-        ids = list(range(self.num_envs)) if env_ids is None else env_ids
+        ids = range(self.num_envs) if env_ids is None else env_ids
         return vector_checks.split_actions(
             actions, ids, self.single_action_space, self.action_space, self.num_envs
         )

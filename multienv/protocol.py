@@ -185,12 +185,14 @@ class StepPlan:
         is_reset: Per env, reset it instead of stepping it.
         autoreset: Reset a finished episode in the same round trip (same-step autoreset).
         wire: The backend's prepared request data.
+        num_resets: How many of ``is_reset`` are set.
     """
 
     actions: np.ndarray
     is_reset: np.ndarray
     autoreset: bool
     wire: Any = None
+    num_resets: int = -1
 
     def batch(self, env_slice: slice) -> Batch:
         """The general ``Batch`` of one worker's part, for the paths that need it."""

@@ -38,6 +38,10 @@ class InFlight:
         self._flying: dict[int, list[int]] = {}  # by worker number: the envs it steps
         self._received: dict[int, tuple[Any, ...]] = {}  # by env: collected, not returned
 
+    def is_busy(self) -> bool:
+        """Whether any env is in flight, or collected and not yet returned."""
+        return bool(self._flying or self._received)
+
     def env_ids(self) -> list[int]:
         """Every env in flight or collected and not yet returned, ascending."""
         return sorted([*self._received, *(i for ids in self._flying.values() for i in ids)])

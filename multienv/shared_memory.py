@@ -301,10 +301,13 @@ class SharedBatch:
                     array[target, behind] = array[1 - target, behind]
                 slot[behind] = target
             self._same_slot = target
+        obs = mapping.obs
+        if () in obs:  # not nested: one array
+            return obs[()][target].copy() if copy else obs[()][target]
         if copy:
-            arrays = {path: array[target].copy() for path, array in mapping.obs.items()}
+            arrays = {path: array[target].copy() for path, array in obs.items()}
         else:
-            arrays = {path: array[target] for path, array in mapping.obs.items()}
+            arrays = {path: array[target] for path, array in obs.items()}
         return _assemble(self.layout.observation_space, arrays)
 
     def close(self) -> None:

@@ -154,7 +154,8 @@ class SubprocessLink:
         if actions.dtype != shared.actions.dtype:  # the envs get the values as given
             return None
         slots = shared.next_slots(slice(None))
-        if not np.count_nonzero(is_reset):
+        num_resets = int(np.count_nonzero(is_reset))
+        if not num_resets:
             shared.actions[:] = actions
             # Every env steps, all from one slot: the same bytes as the last such step.
             key = (int(slots[0]), autoreset) if shared.has_same_slot() else None
@@ -164,12 +165,14 @@ class SubprocessLink:
                 encoded = framing.encode_items(None, flags, out=items)
                 if key is not None:
                     self._plain_steps[key] = encoded
-            return StepPlan(actions, is_reset, autoreset, framing.PlannedItems(encoded, slots))
+            wire = framing.PlannedItems(encoded, slots)
+            return StepPlan(actions, is_reset, autoreset, wire, num_resets)
         steps = ~is_reset
         shared.actions[steps] = actions[steps]
         flags = framing.item_flags(is_reset, slots, autoreset, info_columns=True)
         encoded = framing.encode_items(None, flags, out=items)
-        return StepPlan(actions, is_reset, autoreset, framing.PlannedItems(encoded, slots))
+        wire = framing.PlannedItems(encoded, slots)
+        return StepPlan(actions, is_reset, autoreset, wire, num_resets)
 
     def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Move ``index`` of a clean plan to its new slots; views of its rewards and flags."""

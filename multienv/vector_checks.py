@@ -197,7 +197,7 @@ def reset_mask(mask: Any, num_envs: int) -> np.ndarray:
 
 def split_actions(
     actions: Any,
-    env_ids: list[int],
+    env_ids: Sequence[int],
     space: gym.Space[Any],
     action_space: gym.Space[Any],
     num_envs: int,
@@ -236,7 +236,7 @@ def split_actions(
     return batch
 
 
-def _check_action_shapes(actions: Any, env_ids: list[int], space: gym.Space[Any]) -> None:
+def _check_action_shapes(actions: Any, env_ids: Sequence[int], space: gym.Space[Any]) -> None:
     n = len(env_ids)
     try:
         count = len(actions)

@@ -133,3 +133,8 @@ class VectorCounters:
         stepped = ~is_reset
         self.steps[index] += stepped
         self.episodes[index] += stepped & done
+
+    def note_steps(self, done: np.ndarray) -> None:
+        """Count a planned step in which every env stepped and came back clean."""
+        self.steps += 1
+        self.episodes += done
