@@ -146,7 +146,10 @@ class SubprocessEnv(RemoteEnv):
             so that N workers do not start N full pools on the same cores. A variable set in
             this process's environment wins; None leaves the worker's pools as they are.
         pin_cpu: Pin the worker to one CPU (worker w on the w-th CPU this process may use,
-            round robin). Off by default; see docs/performance.rst for when it pays.
+            round robin). None (default): a vector with no more workers than the CPUs this
+            process may use pins them, one CPU each (``create_subprocess_envs`` and
+            ``MultiEnv`` decide); a lone ``SubprocessEnv`` is not pinned. See
+            docs/performance.rst.
         wait: "sleep" (default): the worker sleeps until its next request. "spin": hot
             mode: after each answer it polls for the next request for 2 ms before it
             sleeps, so its core stays awake, and each worker keeps a core busy. Refused
@@ -169,7 +172,7 @@ class SubprocessEnv(RemoteEnv):
         preload: Sequence[str] = (),
         daemon: bool = True,
         blas_threads: int | None = 1,
-        pin_cpu: bool = False,
+        pin_cpu: bool | None = None,
         wait: str = "sleep",
     ) -> None:
         """Check the options and pickle ``env_fn``; no process is started yet."""
@@ -201,7 +204,7 @@ def _supervise(
     preload: Sequence[str] = (),
     daemon: bool = True,
     blas_threads: int | None = 1,
-    pin_cpu: bool = False,
+    pin_cpu: bool | None = None,
     wait: str = "sleep",
     is_probe: bool = False,
     **supervisor_options: Any,
@@ -214,7 +217,7 @@ def _supervise(
     preload_names = _checked_preload(preload, f"env {first_env_index}")
     worker_number = first_env_index // max(1, len(env_fns))
     settings = WorkerSettings.decide(
-        blas_threads, pin_cpu, worker_number, first_env_index, wait=wait
+        blas_threads, bool(pin_cpu), worker_number, first_env_index, wait=wait
     )
 
     def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
@@ -263,6 +266,8 @@ def create_subprocess_envs(
     ):
         num_workers = -(-len(env_fns) // envs_per_worker)
         check_spinners(options.get("wait", "sleep"), num_workers)
+        if options.get("pin_cpu") is None:  # one CPU each, when there are enough
+            options = {**options, "pin_cpu": num_workers <= len(os.sched_getaffinity(0))}
         probe = bool(env_fns) and _should_probe(num_workers, options)
     return create_envs(
         env_fns,

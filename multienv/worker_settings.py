@@ -8,8 +8,9 @@ user's own ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS``
 it builds its envs: the variables for libraries the env imports later, and threadpoolctl
 for the pools already loaded (the module server preloads numpy, whose pool is sized then).
 
-Pinning (``pin_cpu=True``, off by default) puts worker w on the w-th of the CPUs this
-process may use, round robin, with ``os.sched_setaffinity``.
+Pinning puts worker w on the w-th of the CPUs this process may use, round robin, with
+``os.sched_setaffinity``: asked for (``pin_cpu=True``), or decided by the vector when it has
+no more workers than those CPUs (``pin_cpu=None``, the default; ``subprocess_env``).
 
 ``wait="spin"`` (off by default) makes a worker poll its pipe for ``SPIN_S`` after each
 answer instead of sleeping at once, so its core stays awake for the next step: each worker

@@ -67,7 +67,7 @@ class Args:
     baseline: str = ""  # a checkout of multienv: its multienv rows are measured too, interleaved
     only_multienv: bool = False  # only multienv at k=1 and k=N/2, the loop and AsyncVectorEnv
     memory: bool = False  # only memory: PSS of every implementation, for --cells
-    pinned: bool = False  # also measure multienv at k=1 and k=N/2 with pin_cpu=True
+    pinned: bool = False  # also measure multienv at k=1 and k=N/2 with pin_cpu True and False
 
 
 # ----------------------------------------------------------------- workloads
@@ -398,7 +398,9 @@ def run_implementation(
     if name == "multienv async k=1":
         return run_multienv_async(fns, steps, bank)
     k, _, variant = name.rpartition("=")[2].partition(" ")
-    options: dict[str, Any] = {"copy": variant != "views", "pin_cpu": variant == "pinned"}
+    options: dict[str, Any] = {"copy": variant != "views"}
+    if variant in ("pinned", "unpinned"):  # else multienv decides (pinned: a CPU each)
+        options["pin_cpu"] = variant == "pinned"
     if variant == "spin":
         options["wait"] = "spin"
     return run_vector(lambda: MultiEnv(fns, envs_per_worker=int(k), **options), steps, bank)
@@ -417,7 +419,11 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
         kept.update(f"multienv k={k} spin" for k in spin_layouts(n))
         names = [name for name in names if name in kept]
     if args.pinned:
-        names += [f"multienv k={k} pinned" for k in sorted({1, max(1, n // 2)})]
+        names += [
+            f"multienv k={k} {variant}"
+            for k in sorted({1, max(1, n // 2)})
+            for variant in ("pinned", "unpinned")
+        ]
     if args.baseline:
         names += [  # hot mode is new: the baseline has none
             f"{name} @baseline"

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from multienv import MultiEnv
+from multienv import MultiEnv, SubprocessEnv
 from multienv.worker_settings import SPIN_S, THREAD_VARIABLES, WorkerSettings
 from tests.conftest import live_workers
 from tests.envs import CountingEnv, ThreadProbe
@@ -58,9 +58,33 @@ def test_pin_cpu_puts_each_worker_on_its_own_cpu_round_robin():
     assert list(seen) == [[cpus[(env // 2) % len(cpus)]] for env in range(6)]
 
 
-def test_workers_are_not_pinned_by_default():
-    with MultiEnv([ThreadProbe] * 2) as envs:
-        assert all(cpus == sorted(os.sched_getaffinity(0)) for cpus in envs.call("cpus"))
+def test_a_vector_with_a_cpu_for_each_worker_pins_them_by_default():
+    cpus = sorted(os.sched_getaffinity(0))
+    with MultiEnv([ThreadProbe] * len(cpus)) as envs:
+        assert list(envs.call("cpus")) == [[cpu] for cpu in cpus]
+
+
+def test_a_vector_with_more_workers_than_cpus_is_not_pinned_by_default():
+    cpus = sorted(os.sched_getaffinity(0))
+    with MultiEnv([ThreadProbe] * (len(cpus) + 1)) as envs:
+        assert all(seen == cpus for seen in envs.call("cpus"))
+
+
+def test_pin_cpu_false_leaves_every_worker_free():
+    cpus = sorted(os.sched_getaffinity(0))
+    with MultiEnv([ThreadProbe] * len(cpus), pin_cpu=False) as envs:
+        assert all(seen == cpus for seen in envs.call("cpus"))
+
+
+def test_a_lone_subprocess_env_is_not_pinned_by_default():
+    cpus = sorted(os.sched_getaffinity(0))
+    env = SubprocessEnv(ThreadProbe)
+    try:
+        env.start()
+        env.initialize()
+        assert env.call("cpus") == cpus
+    finally:
+        env.close()
 
 
 def test_a_bad_blas_threads_names_the_env_before_anything_starts():
