@@ -22,6 +22,7 @@ mask is False.
 from __future__ import annotations
 
 import dataclasses
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,40 +82,31 @@ class ColumnWriter:
 
     def __init__(self, schema_ids: np.ndarray, cells: np.ndarray) -> None:
         """Start with no schema known."""
-        self._ids = schema_ids
-        self._floats = cells
-        self._ints = cells.view(np.int64)
-        # (keys, types) -> (id, columns, is_all_float, is_all_int), or None: not plain
-        self._known: dict[tuple[Any, ...], tuple[int, list[int], bool, bool] | None] = {}
+        self._ids = schema_ids.data  # a memoryview: item assignment costs less than numpy's
+        self._cells = cells
+        self._buffer = cells.data
+        self._row_bytes = cells.strides[0]
+        # (count, *keys, *types) -> (id, how its values pack into a row), or None: not plain
+        self._known: dict[tuple[Any, ...], tuple[int, struct.Struct] | None] = {}
         self.pending: list[tuple[int, InfoSchema]] = []  # numbered, not yet sent
 
     def write(self, env_index: int, info: dict[str, Any]) -> bool:
         """Put ``info`` in the env's row; False (row cleared) if it must be pickled instead."""
-        values = list(info.values())
-        signature = (len(values), *info, *map(type, values))
+        values = info.values()
+        signature = (len(info), *info, *map(type, values))
         if signature in self._known:
             entry = self._known[signature]
         else:
-            entry = self._learn(signature, len(values))
+            entry = self._learn(signature, len(info))
         if entry is None:
             self._ids[env_index] = 0
             return False
-        schema_id, columns, is_all_float, is_all_int = entry
         try:
-            if is_all_float:
-                self._floats[env_index, : len(values)] = values
-            elif is_all_int:
-                self._ints[env_index, : len(values)] = values
-            else:
-                for column, value in zip(columns, values, strict=True):
-                    if column > 0:
-                        self._floats[env_index, column - 1] = value
-                    else:
-                        self._ints[env_index, -column - 1] = value
-        except OverflowError:  # a Python int beyond int64
+            entry[1].pack_into(self._buffer, env_index * self._row_bytes, *values)
+        except (struct.error, OverflowError):  # a Python int beyond int64
             self._ids[env_index] = 0
             return False
-        self._ids[env_index] = schema_id
+        self._ids[env_index] = entry[0]
         return True
 
     def clear(self, env_index: int) -> None:
@@ -126,18 +118,15 @@ class ColumnWriter:
         pending, self.pending = self.pending, []
         return pending
 
-    def _learn(
-        self, signature: tuple[Any, ...], count: int
-    ) -> tuple[int, list[int], bool, bool] | None:
+    def _learn(self, signature: tuple[Any, ...], count: int) -> tuple[int, struct.Struct] | None:
         keys, types = signature[1 : count + 1], signature[count + 1 :]
         schema = schema_of(tuple(keys), tuple(types))
-        entry: tuple[int, list[int], bool, bool] | None = None
+        entry: tuple[int, struct.Struct] | None = None
         numbered = sum(1 for known in self._known.values() if known is not None)
         if schema is not None and numbered < MAX_SCHEMAS:
-            is_float = schema.is_float
-            # +column+1 for a float cell, -(column+1) for an int cell: the sign picks the view
-            columns = [(c + 1) if f else -(c + 1) for c, f in enumerate(is_float)]
-            entry = (numbered + 1, columns, all(is_float), not any(is_float))
+            # a float64 cell ("d") or an int64 cell ("q") per key, in the info's order
+            packer = struct.Struct("=" + "".join("d" if f else "q" for f in schema.is_float))
+            entry = (numbered + 1, packer)
             self.pending.append((numbered + 1, schema))
         self._known[signature] = entry
         return entry

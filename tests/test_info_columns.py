@@ -111,7 +111,7 @@ def test_a_respawned_worker_numbers_afresh_and_its_schemas_replace_the_old_ones(
 
 
 def _shared_of(writer: ColumnWriter):
-    return writer._ids, writer._floats
+    return writer._ids.obj, writer._cells
 
 
 @pytest.mark.parametrize("mode", list(AutoresetMode), ids=lambda m: m.value)
