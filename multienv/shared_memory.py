@@ -348,6 +348,14 @@ class SlotWriter:
         self._done_fd = done_fd
         self._worker_index = worker_index
         self.env_indices = list(env_indices)
+        self.all_positions = list(range(len(self.env_indices)))
+        first = self.env_indices[0] if self.env_indices else 0
+        # All of the worker's envs, when they are a run of the vector's: one slice for all
+        self._whole: slice | None = (
+            slice(first, first + len(self.env_indices))
+            if self.env_indices == list(range(first, first + len(self.env_indices)))
+            else None
+        )
         self._obs = list(self._mapping.obs.items())
         self._is_discrete = isinstance(layout.action_space, gym.spaces.Discrete)
         self.infos = ColumnWriter(self._mapping.info_schema, self._mapping.info_cells)
@@ -362,7 +370,7 @@ class SlotWriter:
         if len(positions) == 1:
             row = actions[env_indices[positions[0]]]
             return [int(row)] if self._is_discrete else [row.copy()]
-        rows = actions[[env_indices[position] for position in positions]]
+        rows = actions[self._index_of(positions)]
         return rows.tolist() if self._is_discrete else list(rows)
 
     def write_obs(self, position: int, slot: int, obs: Any) -> None:
@@ -370,6 +378,22 @@ class SlotWriter:
         env_index = self.env_indices[position]
         for path, array in self._obs:
             array[slot, env_index] = _dig(obs, path) if path else obs
+
+    def write_all_obs(self, slot: int, observations: Sequence[Any]) -> bool:
+        """Write every env's obs (by position) into one slot at once; False if it cannot."""
+        whole = self._whole
+        if whole is None:
+            return False
+        for path, array in self._obs:
+            array[slot, whole] = [_dig(obs, path) for obs in observations] if path else observations
+        return True
+
+    def _index_of(self, positions: Sequence[int]) -> slice | list[int]:
+        """The vector's rows of the envs at ``positions``: a slice when they are all, in order."""
+        if self._whole is not None and positions == self.all_positions:
+            return self._whole
+        env_indices = self.env_indices
+        return [env_indices[position] for position in positions]
 
     def write_results(
         self,
@@ -388,7 +412,7 @@ class SlotWriter:
             mapping.flags[0, env_index] = terminations[0]
             mapping.flags[1, env_index] = truncations[0]
             return
-        index = [env_indices[position] for position in positions]
+        index = self._index_of(positions)
         mapping.rewards[index] = rewards
         mapping.flags[0, index] = terminations
         mapping.flags[1, index] = truncations

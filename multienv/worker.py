@@ -249,6 +249,8 @@ class _Loop:
         extras: dict[int, Outcome] = {}
         resets: set[int] = set()
         done_positions: list[int] = []
+        observations: list[Any] = []  # by done position, written after the loop
+        slots: list[int] = []
         rewards: list[Any] = []
         reward: Any
         terminations: list[Any] = []
@@ -285,11 +287,19 @@ class _Loop:
             if flags & IS_KEEP_NP_RANDOM and (terminated or truncated):
                 outcome = extras.setdefault(position, Outcome())
                 outcome.np_random = np_random_or_none(envs[position])
-            writer.write_obs(position, slot_of(flags), obs)
+            observations.append(obs)
+            slots.append(slot_of(flags))
             done_positions.append(position)
             rewards.append(reward)
             terminations.append(terminated)
             truncations.append(truncated)
+        if not (
+            done_positions == writer.all_positions
+            and slots.count(slots[0]) == len(slots)
+            and writer.write_all_obs(slots[0], observations)
+        ):
+            for position, slot, obs in zip(done_positions, slots, observations, strict=True):
+                writer.write_obs(position, slot, obs)
         writer.write_results(done_positions, rewards, terminations, truncations)
         schemas = columns.take_pending() if columns.pending else None
         if not extras and schemas is None:
