@@ -5,6 +5,8 @@ Run:
     python scripts/bench.py --quick      # cheap N=16 only, 1 round (~2 min)
     python scripts/bench.py --plot docs/bench.png   # chart the last run's bench-results.json
     python scripts/bench.py --memory --cells halfcheetah:64,pong:64   # MiB per env
+    python scripts/bench.py --only-multienv --pinned   # k=1 and k=N/2 with pin_cpu=True
+                                         # and False too (default: pinned when a CPU each)
     python scripts/bench.py --baseline /tmp/old --only-multienv   # A/B against another
                                          # checkout (e.g. git worktree add /tmp/old HEAD~1)
     pip install -e ".[bench]"            # adds SB3 to the comparison (install torch's CPU
