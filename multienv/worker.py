@@ -294,7 +294,8 @@ class _Loop:
             terminations.append(terminated)
             truncations.append(truncated)
         if not (
-            done_positions == writer.all_positions
+            slots
+            and done_positions == writer.all_positions
             and slots.count(slots[0]) == len(slots)
             and writer.write_all_obs(slots[0], observations)
         ):
