@@ -1,6 +1,7 @@
 """What a worker process sees of its threads and CPUs, with real workers."""
 
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -61,6 +62,17 @@ def test_pin_cpu_puts_each_worker_on_its_own_cpu_round_robin():
 def test_a_vector_with_a_cpu_for_each_worker_pins_them_by_default():
     cpus = sorted(os.sched_getaffinity(0))
     with MultiEnv([ThreadProbe] * len(cpus)) as envs:
+        assert list(envs.call("cpus")) == [[cpu] for cpu in cpus]
+
+
+def test_a_worker_respawned_after_sigkill_is_pinned_where_its_predecessor_was():
+    cpus = sorted(os.sched_getaffinity(0))
+    with MultiEnv([ThreadProbe] * len(cpus)) as envs:
+        envs.reset(seed=0)
+        old_pid = envs.envs[-1].pid
+        os.kill(old_pid, signal.SIGKILL)
+        envs.step(np.zeros(len(cpus), dtype=np.int64))
+        assert envs.envs[-1].pid != old_pid
         assert list(envs.call("cpus")) == [[cpu] for cpu in cpus]
 
 
