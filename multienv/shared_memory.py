@@ -348,7 +348,7 @@ class SlotWriter:
         self._done_fd = done_fd
         self._worker_index = worker_index
         self.env_indices = list(env_indices)
-        self.all_positions = list(range(len(self.env_indices)))
+        self._all_positions = list(range(len(self.env_indices)))
         first = self.env_indices[0] if self.env_indices else 0
         # All of the worker's envs, when they are a run of the vector's: one slice for all
         self._whole: slice | None = (
@@ -379,18 +379,23 @@ class SlotWriter:
         for path, array in self._obs:
             array[slot, env_index] = _dig(obs, path) if path else obs
 
-    def write_all_obs(self, slot: int, observations: Sequence[Any]) -> bool:
-        """Write every env's obs (by position) into one slot at once; False if it cannot."""
-        whole = self._whole
-        if whole is None:
-            return False
-        for path, array in self._obs:
-            array[slot, whole] = [_dig(obs, path) for obs in observations] if path else observations
-        return True
+    def write_many_obs(
+        self, positions: Sequence[int], slots: Sequence[int], observations: Sequence[Any]
+    ) -> None:
+        """Write each env's obs into its slot; all of the worker's envs on one slot at once."""
+        index = self._index_of(positions)
+        if isinstance(index, slice) and slots and slots.count(slots[0]) == len(slots):
+            for path, array in self._obs:
+                array[slots[0], index] = (
+                    [_dig(obs, path) for obs in observations] if path else observations
+                )
+            return
+        for position, slot, obs in zip(positions, slots, observations, strict=True):
+            self.write_obs(position, slot, obs)
 
     def _index_of(self, positions: Sequence[int]) -> slice | list[int]:
         """The vector's rows of the envs at ``positions``: a slice when they are all, in order."""
-        if self._whole is not None and positions == self.all_positions:
+        if self._whole is not None and positions == self._all_positions:
             return self._whole
         env_indices = self.env_indices
         return [env_indices[position] for position in positions]

@@ -293,14 +293,7 @@ class _Loop:
             rewards.append(reward)
             terminations.append(terminated)
             truncations.append(truncated)
-        if not (
-            slots
-            and done_positions == writer.all_positions
-            and slots.count(slots[0]) == len(slots)
-            and writer.write_all_obs(slots[0], observations)
-        ):
-            for position, slot, obs in zip(done_positions, slots, observations, strict=True):
-                writer.write_obs(position, slot, obs)
+        writer.write_many_obs(done_positions, slots, observations)
         writer.write_results(done_positions, rewards, terminations, truncations)
         schemas = columns.take_pending() if columns.pending else None
         if not extras and schemas is None:
