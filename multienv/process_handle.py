@@ -3,9 +3,9 @@
 It spawns the worker (or takes over a standby started ahead for a recycle), sends requests
 on its pipe, waits for the reply and the process's death together (``poll`` on the pipe,
 the process sentinel and, when linked, its group's done pipe), kills it, and keeps the last
-lines it wrote to stderr. Linked into a vector (``shm_link.SubprocessLink``), it writes
-actions into the vector's shared memory and sends a step as a few bytes (``framing``); the
-worker answers with one record on the done pipe.
+lines it wrote to stderr. Linked into a vector (``shm_link.SubprocessLink``), it sends
+what its ``WorkerSeat`` encodes (a step as a few bytes, its actions in the vector's shared
+memory); the worker answers with one record on the done pipe.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 
-from multienv import framing, module_server
+from multienv import module_server
 from multienv.framing import DONE_OK, MessageReader, decode, encode, frame, write_frame
 from multienv.handles import Death
 from multienv.process_launch import (
@@ -41,16 +40,13 @@ from multienv.protocol import (
     PLANNED_OK,
     Batch,
     BatchResult,
-    Command,
-    Outcome,
     Reply,
     Request,
     StepPlan,
-    failed_batch,
-    unpack_outcomes,
 )
 from multienv.shared_memory import SharedBatch
 from multienv.stderr_relay import StderrPipe
+from multienv.worker_seat import WorkerSeat
 
 logger = logging.getLogger(__name__)
 
@@ -81,18 +77,8 @@ class ProcessHandle:
         self._standby: Standby | None = None  # a recycle's replacement, started ahead
         self._ready_reply: Reply | None = None  # a standby's, for the handshake after spawn
         self._reaped: list[threading.Event] = []  # set when a retired worker is gone
-        # Set by SubprocessLink: the vector's shared memory and this worker's place in it.
-        self._shared: SharedBatch | None = None
-        self._worker_index = -1
-        self._env_indices: list[int] = []  # the vector's index of each env, by position
-        self._env_index_array = np.zeros(0, dtype=np.intp)
-        self._env_slice: slice | None = None  # the vector's envs of this worker, if contiguous
-        self._done_read = -1
-        self._seq = 0  # of the last fast batch, 1 to 255
+        self._seat = WorkerSeat(None, -1, [])  # its place in a vector (SubprocessLink's)
         self._notify_seq = 0  # the in-flight fast batch's seq; 0 when its reply is a message
-        self._batch_env_ids: Any = None  # the in-flight batch's env indices (array or slice)
-        self._batch_slots: np.ndarray | None = None  # and the slots it writes
-        self._batch: Batch | None = None
 
     @property
     def pid(self) -> int | None:
@@ -102,7 +88,7 @@ class ProcessHandle:
     @property
     def is_linked(self) -> bool:
         """Whether observations travel through a vector's shared memory."""
-        return self._shared is not None
+        return self._seat.shared is not None
 
     def stderr_tail(self) -> tuple[str, ...]:
         """The last lines the current (or last) worker wrote to stderr."""
@@ -130,8 +116,8 @@ class ProcessHandle:
         self._poller = select.poll()
         self._poller.register(self._fd, select.POLLIN)
         self._poller.register(process.sentinel, select.POLLIN)
-        if self._shared is not None:
-            self._poller.register(self._done_read, select.POLLIN)
+        if self._seat.shared is not None:
+            self._poller.register(self._seat.done_read, select.POLLIN)
         self._stderr, self._stderr_tail = launched.stderr, launched.stderr.tail
 
     def prestart(self) -> None:
@@ -140,7 +126,7 @@ class ProcessHandle:
             self._standby = Standby(self._recipe, self._standby_link, self._is_closing)
 
     def _standby_link(self, pid: int) -> LinkPayload | None:
-        return None if self._shared is None else self._link_payload(pid)
+        return None if self._seat.shared is None else self._seat.link_payload(pid)
 
     def retire(self) -> None:
         """Ask the current worker to close its envs and exit; reaped on a background thread.
@@ -225,122 +211,31 @@ class ProcessHandle:
 
     def submit_batch(self, batch: Batch) -> None:
         """Send a batch: as a few bytes when everything fits in shared memory, else pickled."""
-        self._batch = batch
-        self._notify_seq = 0
-        shared = self._shared
-        if shared is None:
-            self._batch_env_ids = None
-            self._send(frame(encode(Request(Command.BATCH, -1, batch.orders()))))
-            return
-        size = len(batch.positions)
-        # A whole worker of contiguous envs, or a single env, is a slice: no fancy indexing.
-        env_ids: Any
-        if batch.is_whole and self._env_slice is not None:
-            env_ids = self._env_slice
-        elif size == 1:
-            env_index = self._env_indices[batch.positions[0]]
-            env_ids = slice(env_index, env_index + 1)
-        else:
-            env_ids = self._env_index_array[batch.positions]
-        slots = shared.next_slots(env_ids)
-        self._batch_env_ids, self._batch_slots = env_ids, slots
-        is_reset = batch.is_reset
-        num_resets = int(np.count_nonzero(is_reset))
-        is_fast = (
-            num_resets == size
-            or (shared.actions is not None and _same_dtype(batch.actions, shared.actions))
-        ) and (batch.seeds is None and batch.options is None and batch.np_randoms is None)
-        if not is_fast:
-            orders = batch.orders()
-            for order, slot in zip(orders, slots.tolist(), strict=True):
-                object.__setattr__(order, "slot", slot)
-            self._send(frame(encode(Request(Command.BATCH, -1, orders))))
-            return
-        if shared.actions is not None and num_resets < size:
-            if not num_resets:
-                shared.actions[env_ids] = batch.actions
-            else:
-                steps = ~is_reset
-                shared.actions[np.arange(shared.num_envs)[env_ids][steps]] = np.asarray(
-                    batch.actions
-                )[steps]
-        self._seq = self._notify_seq = self._seq % 255 + 1
-        flags = framing.item_flags(is_reset, slots, batch.autoreset, batch.keep_np_randoms)
-        items = framing.encode_items(batch.positions, flags)
-        self._send(framing.fast_batch_frame(self._seq, items))
+        message, self._notify_seq = self._seat.batch_frame(batch)
+        self._send(message)
 
     def submit_planned(self, plan: StepPlan, env_slice: slice) -> None:
         """Send this worker's slice of a planned step: its items were encoded for all envs."""
-        wire: framing.PlannedItems = plan.wire
-        self._batch = None
-        self._batch_env_ids, self._batch_slots = env_slice, wire.slots[env_slice]
-        self._seq = self._notify_seq = self._seq % 255 + 1
-        self._send(framing.fast_batch_frame(self._seq, wire.items_of(env_slice)))
+        seat = self._seat
+        message = seat.planned_frame(plan, env_slice)
+        self._notify_seq = seat.seq
+        self._send(message)
 
     def collect_planned(self, deadline: float | None) -> BatchResult | Death | None:
         """Wait for this worker's slice of a plan: None when all of it is in shared memory."""
         reply = self._receive(deadline)
         if reply is _DONE_OK_REPLY:
             return PLANNED_OK
-        return reply if isinstance(reply, Death) else self._batch_result(reply)
+        return reply if isinstance(reply, Death) else self._seat.result(reply)
 
     def collect_batch(self, deadline: float | None) -> BatchResult | Death:
         """Wait for the batch's result, or the worker's death."""
         reply = self._receive(deadline)
-        return reply if isinstance(reply, Death) else self._batch_result(reply)
-
-    def _batch_result(self, reply: Reply) -> BatchResult:
-        """The result of the batch in flight, from its reply and the shared memory."""
-        batch, env_ids = self._batch, self._batch_env_ids
-        is_planned = batch is None
-        if reply.schemas and self._shared is not None:
-            self._shared.infos.register(self._worker_index, reply.schemas)
-        if batch is None:  # a planned step's slice
-            assert isinstance(env_ids, slice)
-            count = env_ids.stop - env_ids.start
-            batch = self._batch = Batch(
-                list(range(count)), np.zeros(count, dtype=np.bool_), None, is_whole=True
-            )
-        if reply.failure is not None:  # the request itself failed; blame every item
-            return failed_batch(len(batch.positions), reply.failure, env_ids is None)
-        shared = self._shared
-        if env_ids is None or shared is None:
-            return unpack_outcomes(reply.value)
-        if isinstance(reply.value, list):  # a pickled batch; the obs are in shared memory
-            result = unpack_outcomes(reply.value)
-            result.obs = None
-        else:
-            extras: dict[int, Outcome] = {}
-            if reply.value:
-                item_of = {position: item for item, position in enumerate(batch.positions)}
-                extras = {item_of[position]: extra for position, extra in reply.value.items()}
-            flags = shared.flags
-            result = BatchResult(
-                shared.rewards[env_ids].copy(),  # copies: the next batch writes over them
-                flags[0, env_ids].copy(),
-                flags[1, env_ids].copy(),
-                None,
-                extras,
-                info_columns=is_planned,
-            )
-        assert self._batch_slots is not None
-        if result.extras:
-            ok = np.array(
-                [
-                    item not in result.extras or result.extras[item].failure is None
-                    for item in range(len(batch.positions))
-                ]
-            )
-            shared.move_to(np.arange(shared.num_envs)[env_ids][ok], self._batch_slots[ok])
-        else:
-            shared.move_to(env_ids, self._batch_slots)
-        return result
+        return reply if isinstance(reply, Death) else self._seat.result(reply)
 
     def read_obs(self, position: int) -> Any:
         """The observation the env at ``position`` is on in shared memory; None if unlinked."""
-        if self._shared is None or self._env_indices[position] < 0:
-            return None
-        return self._shared.read(self._env_indices[position])
+        return self._seat.read_obs(position)
 
     # ----------------------------------------------------------------- the vector's link
 
@@ -350,61 +245,49 @@ class ProcessHandle:
         A vector sends it to all its workers before it joins them one by one, so that their
         acks cost one round trip, not one each.
         """
-        if self._shared is None or self._conn is None or self._is_attach_sent:
+        if self._seat.shared is None or self._conn is None or self._is_attach_sent:
             return
-        send_attach(self._conn, self._link_payload(self._pid or 0))
+        send_attach(self._conn, self._seat.link_payload(self._pid or 0))
         self._is_attach_sent = True
 
     def join_link(self, deadline: float | None) -> Death | None:
         """Send the shared memory and done pipe to the worker; two round trips (one if begun)."""
-        if self._shared is None:
+        if self._seat.shared is None:
             return None
         assert self._conn is not None
         self._notify_seq = 0
         is_sent, self._is_attach_sent = self._is_attach_sent, False
         return attach(
             self._conn,
-            self._link_payload(self._pid or 0),
+            self._seat.link_payload(self._pid or 0),
             lambda: self._receive(deadline),
             is_sent,
         )
 
-    def _link_payload(self, pid: int) -> LinkPayload:
-        """What ``_attach`` sends worker ``pid``: the ATTACH payload and the two fds."""
-        shared = self._shared
-        assert shared is not None
-        assert shared.fd is not None
-        payload = (shared.layout, self._worker_index, self._env_indices)
-        return payload, shared.fd, shared.done_write(self._worker_index), pid
-
     def set_link(
         self, shared: SharedBatch | None, worker_index: int, env_indices: Sequence[int]
     ) -> None:
-        """Remember this worker's place in a vector (``SubprocessLink`` calls it)."""
-        if self._shared is not None and self._poller is not None:
+        """Take this worker's place in a vector (``SubprocessLink`` calls it)."""
+        old, self._seat = self._seat, WorkerSeat(shared, worker_index, env_indices)
+        self._seat.seq = old.seq  # a late record of the old seat's batch must not answer
+        if self._poller is None:
+            return
+        if old.shared is not None:
             try:
-                self._poller.unregister(self._done_read)
+                self._poller.unregister(old.done_read)
             except KeyError:
                 pass
-        self._shared, self._worker_index = shared, worker_index
-        self._env_indices = list(env_indices)
-        self._env_index_array = np.asarray(self._env_indices, dtype=np.intp)
-        first, count = (self._env_indices or [0])[0], len(self._env_indices)
-        is_contiguous = count > 0 and self._env_indices == list(range(first, first + count))
-        self._env_slice = slice(first, first + count) if is_contiguous else None
-        self._done_read = -1 if shared is None else shared.done_read(worker_index)
-        if shared is not None and self._poller is not None:
-            self._poller.register(self._done_read, select.POLLIN)
+        if shared is not None:
+            self._poller.register(self._seat.done_read, select.POLLIN)
 
     @property
     def done_read(self) -> int:
         """The read end of the done pipe of this worker's group; -1 when not linked."""
-        return self._done_read
+        return self._seat.done_read
 
     def has_record(self) -> bool:
         """Whether the DONE record of the in-flight fast batch has been read already."""
-        seq, shared = self._notify_seq, self._shared
-        return bool(seq) and shared is not None and shared.done_seq[self._worker_index] == seq
+        return self._seat.has_record(self._notify_seq)
 
     def wait_handles(self) -> list[int] | None:
         """The fds that signal the end of the call in flight; None if there is no worker."""
@@ -427,13 +310,14 @@ class ProcessHandle:
         drains that pipe, since the records of the vector's other workers arrive there too,
         and they are noted for when their workers are collected.
         """
-        process, shared = self._process, self._shared
+        process, seat = self._process, self._seat
+        shared = seat.shared
         if self._is_closing.is_set():
             raise ClosedEnvironmentError(f"env {self._env_index}: closed while a call was waiting.")
         if process is None:
             return Death("unknown")
         seq = self._notify_seq
-        worker_index = self._worker_index
+        worker_index, done_read = seat.worker_index, seat.done_read
         while True:
             if seq and shared is not None and shared.done_seq[worker_index] == seq:
                 shared.done_seq[worker_index] = 0
@@ -450,9 +334,9 @@ class ProcessHandle:
                     f"env {self._env_index}: closed while a call was waiting."
                 )
             fds = [fd for fd, _ in events]
-            if shared is not None and self._done_read in fds:
-                shared.drain(self._done_read)
-                fds.remove(self._done_read)
+            if shared is not None and done_read in fds:
+                shared.drain(done_read)
+                fds.remove(done_read)
                 if not fds:
                     continue
             if self._fd in fds:
@@ -475,14 +359,6 @@ class ProcessHandle:
                 process.kill()
                 process.join(5.0)
             return Death(_describe_exit(process.exitcode))
-
-
-def _same_dtype(actions: Any, shared_actions: np.ndarray) -> bool:
-    """Whether actions can go through shared memory uncast, as Gymnasium's vector envs pass them.
-
-    The env must get them as the caller gave them; other dtypes are pickled.
-    """
-    return isinstance(actions, np.ndarray) and actions.dtype == shared_actions.dtype
 
 
 def _describe_exit(exitcode: int | None) -> str:
