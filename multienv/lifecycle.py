@@ -1,12 +1,33 @@
-"""PARENT SIDE: the lifecycle of one worker and its envs, as one enum and its legal moves.
+"""PARENT SIDE: the lifecycle of one worker and its envs: the states, and the way to ready.
 
-Owned here so that the supervisor (the only writer) and the env proxies (readers) share one
-definition; the supervisor's ``_set_state`` checks every move against ``TRANSITIONS``.
+``EnvState`` and its legal moves are owned here so that the supervisor and the env proxies
+(readers) share one definition. ``WorkerLife`` is the only writer of a worker's state: it
+spawns the worker, waits for its envs, and after a death respawns it under the
+``RestartPolicy`` budget until one is ready, or moves to ``BROKEN``.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gymnasium.error import ClosedEnvironmentError
+
+from multienv.errors import EnvCrashedError, EnvStateError
+from multienv.failures import RestartLedger, envs_text, remote_error
+from multienv.handles import Death
+
+if TYPE_CHECKING:
+    from multienv.handles import WorkerHandle
+    from multienv.protocol import EnvDescription
+    from multienv.worker_stats import WorkerStats
+
+logger = logging.getLogger(__name__)
 
 
 class EnvState(enum.Enum):
@@ -36,3 +57,140 @@ HINTS: dict[EnvState, str] = {
     EnvState.STARTED: "call initialize() first",
     EnvState.READY: "{name}() may be called only once",
 }
+
+
+class WorkerLife:
+    """One worker's state, and its way from spawn to ready: deaths respawn it under the budget.
+
+    The supervisor decides what a death means for the call in flight; this class only gets a
+    worker ready again (or gives up, ``BROKEN``). It is the only writer of the state.
+
+    Args:
+        handle: The transport to the worker.
+        env_indices: The index of each of the worker's envs, by position, for messages.
+        ledger: The restart budget and its log.
+        stats: The worker's counters.
+        init_timeout: Seconds the worker may take to build its envs.
+        restart_on_error: An ``env_fn`` that raises is a death, not an ``EnvError``.
+        on_spawn: Called after every spawn (the recycler's clock).
+    """
+
+    def __init__(
+        self,
+        handle: WorkerHandle,
+        env_indices: list[int],
+        ledger: RestartLedger,
+        stats: WorkerStats,
+        *,
+        init_timeout: float | None,
+        restart_on_error: bool,
+        on_spawn: Callable[[], None],
+    ) -> None:
+        """No worker yet: the state is ``CREATED``."""
+        self._handle = handle
+        self._env_indices = env_indices
+        self._ledger = ledger
+        self._stats = stats
+        self._init_timeout = init_timeout
+        self._restart_on_error = restart_on_error
+        self._on_spawn = on_spawn
+        self.state = EnvState.CREATED  # written by set_state() only
+        self.descriptions: list[EnvDescription] = []  # of the envs, once the worker is ready
+        self.is_closing = threading.Event()
+        self._init_deadline: float | None = None
+        self._broken_error: EnvCrashedError | None = None
+
+    def require(self, wanted: EnvState, name: str, env_index: int) -> None:
+        """Raise the error that explains why ``name()`` is not allowed now, if it is not."""
+        state = self.state
+        if state is wanted:
+            return
+        if state is EnvState.CLOSED:
+            raise ClosedEnvironmentError(
+                f"env {env_index}: {name}() called after close(); create a new env."
+            )
+        if state is EnvState.BROKEN and self._broken_error is not None:
+            raise copy.copy(self._broken_error)
+        hint = HINTS[state].format(name=name)
+        raise EnvStateError(
+            f"env {env_index}: {name}() called in state {state.name}; {hint}.",
+            env_index=env_index,
+        )
+
+    def spawn(self) -> None:
+        """Launch a worker, which starts building its envs; returns without waiting."""
+        self._handle.spawn()
+        self._stats.note_spawn()
+        self._on_spawn()
+        self._init_deadline = (
+            None if self._init_timeout is None else time.monotonic() + self._init_timeout
+        )
+        self.set_state(EnvState.STARTED)
+
+    def become_ready(self) -> None:
+        """Wait for the spawned worker's envs; respawn it until one is ready."""
+        cause = self._handshake()
+        if cause is None:
+            self.set_state(EnvState.READY)
+        else:
+            self.respawn(cause)
+
+    def respawn(self, cause: str) -> None:
+        """Replace a dead worker, under the restart budget, until one is ready.
+
+        Raises:
+            EnvCrashLoopError: The budget is spent (``EnvCrashedError`` if it allows none).
+        """
+        while True:
+            if self.is_closing.is_set():  # a worker seen dying as close() stops it
+                raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
+            self._bury(cause)
+            self.spawn()
+            next_cause = self._handshake()
+            if next_cause is None:
+                self.set_state(EnvState.READY)
+                return
+            cause = next_cause
+
+    def envs_text(self) -> str:
+        """``env 3`` or ``envs 3-5``: the worker's envs, for messages."""
+        return envs_text(self._env_indices)
+
+    def set_state(self, new: EnvState) -> None:
+        """Move to ``new``, which must be a legal move from the current state."""
+        if new not in TRANSITIONS[self.state]:
+            raise EnvStateError(
+                f"{self.envs_text()}: illegal state move {self.state.name} -> {new.name}",
+                env_index=self._env_indices[0],
+            )
+        logger.debug("%s: %s -> %s", self.envs_text(), self.state.name, new.name)
+        self.state = new
+
+    def _handshake(self) -> str | None:
+        """Wait for the worker's envs; return a cause of death, or None when ready."""
+        reply = self._handle.handshake(self._init_deadline)
+        if isinstance(reply, Death):
+            return reply.cause
+        if reply.failure is not None:
+            if self._restart_on_error:
+                return f"error: {reply.failure.type_name}"
+            failure = reply.failure
+            env_index = self._env_indices[failure.position or 0]
+            advice = "The worker has exited; initialize() again tries env_fn in a new worker."
+            raise remote_error(failure, "initialize", env_index, self._handle.pid, advice)
+        self.descriptions = reply.value
+        return None
+
+    def _bury(self, cause: str) -> None:
+        """Reap the dead worker, then wait out the backoff or raise if the budget is spent."""
+        pid = self._handle.pid
+        self._handle.kill()
+        self._stats.note_failure(cause)
+        delay = self._ledger.record_death(pid, cause, self._handle.stderr_tail)
+        if isinstance(delay, EnvCrashedError):
+            self._broken_error = delay
+            self.set_state(EnvState.BROKEN)
+            raise delay
+        self._stats.note_restart()
+        if delay and self.is_closing.wait(delay):
+            raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")

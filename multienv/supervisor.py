@@ -1,11 +1,12 @@
 """PARENT SIDE, backend-neutral: one worker's supervisor, which keeps DESIGN.md's failure table.
 
-``WorkerSupervisor``, one per worker, owns the worker's lifecycle (``EnvState``), its
-deadlines, the ``RestartPolicy`` budget and the death -> respawn -> replay table below. A
-worker is the unit that dies, so it is also the unit that respawns and spends the restart
-budget; each of its envs counts the restart. It talks to the worker only through a
-``WorkerHandle`` (``multienv.handles``), counts through ``WorkerStats`` and leaves
-recycling decisions to its ``Recycler``.
+``WorkerSupervisor``, one per worker, sends its calls and batches with their deadlines and
+keeps the death -> respawn -> replay table below: what a death means for the call in
+flight. Getting a worker ready again, under the ``RestartPolicy`` budget, is its
+``WorkerLife``'s job (``multienv.lifecycle``). A worker is the unit that dies, so it is also
+the unit that respawns and spends the restart budget; each of its envs counts the restart.
+It talks to the worker only through a ``WorkerHandle`` (``multienv.handles``), counts
+through ``WorkerStats`` and leaves recycling decisions to its ``Recycler``.
 
 Failure semantics, for a worker hosting k envs:
 
@@ -29,25 +30,21 @@ Failure semantics, for a worker hosting k envs:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from gymnasium.error import ClosedEnvironmentError
 
 from multienv.errors import (
-    EnvCrashedError,
     EnvError,
     EnvStateError,
 )
-from multienv.failures import RestartLedger, envs_text, remote_error
+from multienv.failures import RestartLedger, remote_error
 from multienv.handles import Backend, Death, SharedMemoryHandle, WorkerHandle
-from multienv.lifecycle import HINTS, TRANSITIONS, EnvState
+from multienv.lifecycle import EnvState, WorkerLife
 from multienv.log_limit import failure_log
 from multienv.protocol import (
     PLANNED_OK,
@@ -121,7 +118,6 @@ class WorkerSupervisor:
         self.backend = backend
         self.env_indices = list(env_indices)
         self._open_positions = set(range(len(self.env_indices)))  # envs whose proxy is open
-        self.descriptions: list[EnvDescription] = []
         self._ledger = RestartLedger(
             restart_policy if restart_policy is not None else RestartPolicy(), self.env_indices
         )
@@ -130,8 +126,6 @@ class WorkerSupervisor:
         self._init_timeout = init_timeout
         self._restart_on_error = restart_on_error
         self._close_timeout_s = close_timeout_s
-        self._state = EnvState.CREATED
-        self._init_deadline: float | None = None
         self._pending: _Pending | None = None
         self._planned = _Pending(None, None, None, {}, None, None, 0.0)  # see submit_planned
         self._cuts = CutEpisodes(
@@ -141,17 +135,29 @@ class WorkerSupervisor:
             ),
             lambda position: self.descriptions[position].observation_space,
         )
-        self._broken_error: EnvCrashedError | None = None
-        self._is_closing = threading.Event()
         self.stats = WorkerStats(len(self.env_indices))
         self._recycler = None if recycle is None else Recycler(recycle, self)
+        self._life = WorkerLife(
+            handle,
+            self.env_indices,
+            self._ledger,
+            self.stats,
+            init_timeout=init_timeout,
+            restart_on_error=restart_on_error,
+            on_spawn=(lambda: None) if self._recycler is None else self._recycler.on_spawn,
+        )
 
     # ----------------------------------------------------------------- lifecycle
 
     @property
     def state(self) -> EnvState:
         """Where the worker is in its lifecycle."""
-        return self._state
+        return self._life.state
+
+    @property
+    def descriptions(self) -> list[EnvDescription]:
+        """What the worker's envs are (spaces, metadata), by position, once it is ready."""
+        return self._life.descriptions
 
     @property
     def deadline(self) -> float | None:
@@ -160,8 +166,8 @@ class WorkerSupervisor:
 
     def start(self, name: str = "start") -> None:
         """Launch the worker, which starts building its envs; returns without waiting."""
-        self.require(EnvState.CREATED, name, self.env_indices[0])
-        self._spawn()
+        self._life.require(EnvState.CREATED, name, self.env_indices[0])
+        self._life.spawn()
 
     def initialize(self) -> None:
         """Wait until the worker has built its envs (respawning it if it dies meanwhile).
@@ -170,21 +176,17 @@ class WorkerSupervisor:
             EnvError: An ``env_fn`` raised in the worker, which has exited.
             EnvCrashLoopError: The worker kept dying or timing out while building its envs.
         """
-        self.require(EnvState.STARTED, "initialize", self.env_indices[0])
-        cause = self._handshake()
-        if cause is None:
-            self._set_state(EnvState.READY)
-        else:
-            self._respawn(cause)
+        self._life.require(EnvState.STARTED, "initialize", self.env_indices[0])
+        self._life.become_ready()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker; idempotent and bounded in time."""
-        if self._state is EnvState.CLOSED:
+        if self._life.state is EnvState.CLOSED:
             return
-        self._is_closing.set()
+        self._life.is_closing.set()
         self.handle.stop(self._close_timeout_s if timeout is None else timeout)
         self._pending = None
-        self._set_state(EnvState.CLOSED)
+        self._life.set_state(EnvState.CLOSED)
         failure_log.flush()  # the failures still counted, not yet told
 
     def close_env(self, position: int, timeout: float | None = None) -> None:
@@ -195,7 +197,7 @@ class WorkerSupervisor:
 
     def begin_link(self) -> None:
         """Start giving the worker its vector's link; ``join_link`` finishes (no wait here)."""
-        if self._shm_handle is not None and self._state is EnvState.READY:
+        if self._shm_handle is not None and self._life.state is EnvState.READY:
             self._shm_handle.begin_link()
 
     def join_link(self) -> None:
@@ -206,25 +208,11 @@ class WorkerSupervisor:
         deadline = None if self._init_timeout is None else time.monotonic() + self._init_timeout
         death = self._shm_handle.join_link(deadline)
         if death is not None:
-            self._lose_all(death.cause)
-            self._respawn(death.cause)
+            self._restart(death.cause)
 
     def require(self, wanted: EnvState, name: str, env_index: int) -> None:
         """Raise the error that explains why ``name()`` is not allowed now, if it is not."""
-        state = self._state
-        if state is wanted:
-            return
-        if state is EnvState.CLOSED:
-            raise ClosedEnvironmentError(
-                f"env {env_index}: {name}() called after close(); create a new env."
-            )
-        if state is EnvState.BROKEN and self._broken_error is not None:
-            raise copy.copy(self._broken_error)
-        hint = HINTS[state].format(name=name)
-        raise EnvStateError(
-            f"env {env_index}: {name}() called in state {state.name}; {hint}.",
-            env_index=env_index,
-        )
+        self._life.require(wanted, name, env_index)
 
     # ----------------------------------------------------------------- batches
 
@@ -234,7 +222,7 @@ class WorkerSupervisor:
         A step of an env whose episode an earlier death cut is not sent: it comes back as
         that death's truncation.
         """
-        if self._state is not EnvState.READY:
+        if self._life.state is not EnvState.READY:
             first = self.env_indices[batch.positions[0]] if len(batch.positions) else 0
             self.require(EnvState.READY, "step", first)
         if self._pending is not None:
@@ -255,7 +243,7 @@ class WorkerSupervisor:
         sort out first (a call in flight, envs that lost their episode, not ready).
         """
         if (
-            self._state is not EnvState.READY
+            self._life.state is not EnvState.READY
             or self._pending is not None
             or self._cuts.has_lost()
             or self._shm_handle is None
@@ -370,7 +358,7 @@ class WorkerSupervisor:
                 ``step_timeout``s before the worker is killed. 0: no deadline.
         """
         env_index = self.env_indices[position]
-        if self._state is not EnvState.READY:
+        if self._life.state is not EnvState.READY:
             self.require(EnvState.READY, command.name.lower(), env_index)
         if self._pending is not None:
             self._discard_pending()
@@ -394,15 +382,13 @@ class WorkerSupervisor:
         reply = self.handle.collect(pending.deadline)
         self._pending = None
         if isinstance(reply, Death):
-            self._lose_all(reply.cause)
-            self._respawn(reply.cause)
+            self._restart(reply.cause)
             return self.request(position, command, payload)
         if reply.failure is not None:
             if self._restart_on_error:
                 self.handle.kill()
                 cause = f"error: {reply.failure.type_name}"
-                self._lose_all(cause)
-                self._respawn(cause)
+                self._restart(cause)
                 return self.request(position, command, payload)
             raise self.env_error(reply.failure, command.name.lower(), position)
         self._ledger.note_success()
@@ -456,8 +442,7 @@ class WorkerSupervisor:
 
     def _recover_batch(self, batch: Batch, cause: str) -> tuple[BatchResult, dict[int, Exception]]:
         """After a death during a batch: respawn, truncate its steps, replay its resets."""
-        self._lose_all(cause)
-        self._respawn(cause)
+        self._restart(cause)
         result = self._blank_result(len(batch.positions))
         errors: dict[int, Exception] = {}
         resets = [item for item in range(len(batch.positions)) if batch.is_reset[item]]
@@ -485,24 +470,20 @@ class WorkerSupervisor:
     def kill_for(self, cause: str) -> None:
         """Kill the worker now and respawn it: a death with this cause."""
         self.handle.kill()
-        self._lose_all(cause)
-        self._respawn(cause)
+        self._restart(cause)
 
     def replace_worker(self) -> None:
         """Retire the worker and hand over to a new one (the standby, when it is ready)."""
         self.handle.retire()
-        self._spawn()
-        cause = self._handshake()
-        if cause is None:
-            self._set_state(EnvState.READY)
-        else:
-            self._respawn(cause)
+        self._life.spawn()
+        self._life.become_ready()
 
     # ----------------------------------------------------------------- deaths
 
-    def _lose_all(self, cause: str) -> None:
-        """Every env of the worker lost its episode; each is told on its next step."""
+    def _restart(self, cause: str) -> None:
+        """After a death: every env of the worker lost its episode; respawn the worker."""
         self._cuts.lose_all(cause)
+        self._life.respawn(cause)
 
     def _discard_pending(self) -> None:
         pending = self._pending
@@ -515,72 +496,8 @@ class WorkerSupervisor:
         reply = self.handle.collect(pending.deadline)
         self._pending = None
         if isinstance(reply, Death):
-            self._lose_all(reply.cause)
-            self._respawn(reply.cause)
-
-    def _spawn(self) -> None:
-        self.handle.spawn()
-        self.stats.note_spawn()
-        if self._recycler is not None:
-            self._recycler.on_spawn()
-        self._init_deadline = (
-            None if self._init_timeout is None else time.monotonic() + self._init_timeout
-        )
-        self._set_state(EnvState.STARTED)
-
-    def _handshake(self) -> str | None:
-        """Wait for the worker's envs; return a cause of death, or None when ready."""
-        reply = self.handle.handshake(self._init_deadline)
-        if isinstance(reply, Death):
-            return reply.cause
-        if reply.failure is not None:
-            if self._restart_on_error:
-                return f"error: {reply.failure.type_name}"
-            raise self.env_error(
-                reply.failure,
-                "initialize",
-                reply.failure.position,
-                "The worker has exited; initialize() again tries env_fn in a new worker.",
-            )
-        self.descriptions = reply.value
-        return None
-
-    def _respawn(self, cause: str) -> None:
-        """Replace a dead worker, under the restart budget, until one is ready."""
-        while True:
-            if self._is_closing.is_set():  # a worker seen dying as close() stops it
-                raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
-            self._bury(cause)
-            self._spawn()
-            next_cause = self._handshake()
-            if next_cause is None:
-                self._set_state(EnvState.READY)
-                return
-            cause = next_cause
-
-    def _bury(self, cause: str) -> None:
-        """Reap the dead worker, then wait out the backoff or raise if the budget is spent."""
-        pid = self.handle.pid
-        self.handle.kill()
-        self.stats.note_failure(cause)
-        delay = self._ledger.record_death(pid, cause, self.handle.stderr_tail)
-        if isinstance(delay, EnvCrashedError):
-            self._broken_error = delay
-            self._set_state(EnvState.BROKEN)
-            raise delay
-        self.stats.note_restart()
-        if delay and self._is_closing.wait(delay):
-            raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
+            self._restart(reply.cause)
 
     def envs_text(self) -> str:
         """``env 3`` or ``envs 3-5``: the worker's envs, for messages."""
-        return envs_text(self.env_indices)
-
-    def _set_state(self, new: EnvState) -> None:
-        if new not in TRANSITIONS[self._state]:
-            raise EnvStateError(
-                f"{self.envs_text()}: illegal state move {self._state.name} -> {new.name}",
-                env_index=self.env_indices[0],
-            )
-        logger.debug("%s: %s -> %s", self.envs_text(), self._state.name, new.name)
-        self._state = new
+        return self._life.envs_text()
