@@ -5,7 +5,8 @@ A call flows one way: ``vector_checks`` (input checked before anything is sent) 
 ``WorkerSupervisor`` and its handle -> ``assembly`` (the batch and infos returned).
 ``MultiEnv`` knows its envs only through the seam of ``multienv.handles``; it names no
 backend (``handles.find_backend`` looks them up by name), and pipes, pids and signals stay
-in the backend.
+in the backend. Two groups of its methods live with the code they drive: the planning
+methods in ``planning.PlanningApi``, and ``send``/``recv`` in ``send_recv.SendRecvApi``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import batch_differing_spaces
 
-from multienv import planning, vector_checks
+from multienv import vector_checks
 from multienv.assembly import Assembly, StepBatch
 from multienv.autoreset import Autoreset
 from multienv.env_proxy import RemoteEnv
@@ -46,14 +46,15 @@ from multienv.fan_out import (
     step_batches,
 )
 from multienv.handles import SharedMemoryLink, keyword_options
+from multienv.planning import PlanningApi
 from multienv.protocol import StepPlan
-from multienv.send_recv import InFlight
+from multienv.send_recv import InFlight, SendRecvApi
 from multienv.space_bounds import lean_batch_space
 
 logger = logging.getLogger(__name__)
 
 
-class MultiEnv(VectorEnv[Any, Any, Any]):
+class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
     """A Gymnasium vector env whose sub-envs run in worker processes and survive crashes.
 
     Example:
@@ -148,25 +149,18 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
     def _adopt(self, proxies: list[RemoteEnv], num_threads: int | None) -> None:
         first = proxies[0]
         mode = self.observation_mode
-        vector_checks.check_spaces(proxies, mode)
+        observation_spaces = vector_checks.observation_spaces(proxies, mode)
+        self.observation_space, self.single_observation_space, is_uniform = observation_spaces
         self.envs: list[Any] = proxies
         self.num_envs = len(proxies)
         self.metadata = dict(first.metadata)
         self.metadata["autoreset_mode"] = self.autoreset_mode
         self.render_mode = first.render_mode
         self.spec = first.spec
-        self.single_observation_space = first.observation_space
         self.single_action_space = first.action_space
-        self.observation_space = lean_batch_space(self.single_observation_space, self.num_envs)
         self.action_space = lean_batch_space(self.single_action_space, self.num_envs)
-        shared_memory = self.shared_memory
-        if isinstance(mode, tuple):
-            self.observation_space, self.single_observation_space = mode
-        elif mode == "different":
-            spaces = [proxy.observation_space for proxy in proxies]
-            self.observation_space = batch_differing_spaces(spaces)
-            if any(space != spaces[0] for space in spaces):
-                shared_memory = False  # one slot layout cannot hold them all
+        # Spaces that differ cannot share one slot layout: their observations are pickled.
+        shared_memory = self.shared_memory if is_uniform else False
 
         groups = self._groups = _groups(proxies)
         self._fan_out = FanOut(groups, num_threads or 1)
@@ -302,56 +296,6 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
         self._pending = None
         return self._finish_step(outcome)
 
-    def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
-        """Send a step to some envs and return at once; ``recv()`` collects the first to finish.
-
-        EnvPool-style asynchronous stepping: keep some envs stepping while you learn from
-        the others, so a slow env does not hold back the batch. The envs of one worker
-        travel together: an env cannot be sent while its worker steps others.
-
-        Example:
-            >>> import gymnasium as gym, numpy as np
-            >>> from multienv import MultiEnv
-            >>> with MultiEnv([lambda: gym.make("CartPole-v1")] * 4) as envs:
-            ...     _ = envs.reset(seed=0)
-            ...     envs.send(np.zeros(4, dtype=np.int64))
-            ...     obs, rewards, terminations, truncations, infos = envs.recv(batch_size=2)
-            ...     envs.send(np.ones(2, dtype=np.int64), infos["env_id"])
-            ...     _ = envs.recv()  # the other two, then these two (all that are in flight)
-            ...     obs.shape, len(infos["env_id"])
-            ((2, 4), 2)
-
-        Args:
-            actions: One action per env of ``env_ids``, in that order.
-            env_ids: The envs to step (distinct, none already in flight); default all.
-        """
-        if self.closed:
-            raise ClosedEnvironmentError("MultiEnv.send() called after close().")
-        if self._pending is not None:
-            raise EnvStateError("MultiEnv.send() called while a step_async() is pending.")
-        ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, self._in_flight.env_ids())
-        batch_actions = self._split_actions(actions, ids)
-        self._autoreset.check_can_step(ids)
-        self._in_flight.send(ids, batch_actions)
-
-    def recv(
-        self, batch_size: int | None = None, timeout: float | None = None
-    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """Collect the steps of the first ``batch_size`` envs to finish among those in flight.
-
-        Args:
-            batch_size: How many envs to return; default all that are in flight.
-            timeout: Seconds to wait; on expiry ``TimeoutError`` is raised and every step
-                stays in flight, so nothing is lost.
-
-        Returns:
-            ``(obs, rewards, terminations, truncations, infos)`` for ``batch_size`` envs in
-            ascending env order; ``infos["env_id"]`` holds their indices.
-        """
-        if self.closed:
-            raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
-        return self._in_flight.recv(batch_size, timeout)
-
     def render(self) -> tuple[Any, ...]:
         """Return every env's ``render()`` result."""
         return self._map(lambda i: self.envs[i].render())
@@ -384,86 +328,6 @@ class MultiEnv(VectorEnv[Any, Any, Any]):
     def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
         """Each env's ``np_random`` generator (copies, from the workers)."""
         return self.get_attr("np_random")
-
-    # ----------------------------------------------------------------- planning
-
-    def get_states(self) -> list[Any]:
-        """Each env's state, picklable, for ``set_states`` and ``step_batch``.
-
-        An env with ``get_state()`` / ``set_state(state)`` methods (the planning convention,
-        as plangym passes states around) gives what its ``get_state()`` returns, as it is; any
-        other env gives an opaque ``EnvSnapshot``: the env pickled whole, wrapper stack
-        included (time limit counters, RNG), so restoring it and stepping it again gives the
-        same results.
-        """
-        return list(self._map(lambda i: self.envs[i].get_state()))
-
-    def set_states(self, states: Sequence[Any]) -> None:
-        """Restore one state per env; each goes on mid-episode from there.
-
-        A worker that dies meanwhile is respawned and the state restored into the fresh env.
-        The observations the vector holds are not updated (a state carries none); the next
-        ``step`` returns those of the restored envs.
-
-        Raises:
-            TypeError, ValueError: ``states`` is not one state per env that the env can take
-                (an ``EnvSnapshot`` of its class, or any value for an env with
-                ``set_state``); raised before anything is sent. A value the env's own
-                ``set_state`` refuses raises ``EnvError`` naming the env.
-        """
-        checked = planning.check_set_states(self, states)
-        self._map(lambda i: self.envs[i].set_state(checked[i]))
-        self._autoreset.after_reset(np.arange(self.num_envs))
-
-    def sync_states(self, state: Any) -> None:
-        """Restore the same state into every env (see ``set_states``)."""
-        self.set_states([state] * self.num_envs)
-
-    def step_batch(
-        self, actions: Any, states: Sequence[Any] | None = None, dt: Any = 1
-    ) -> tuple[list[Any], Any, np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
-        """Step M (state, action) pairs in parallel, M independent of N.
-
-        Pair j restores ``states[j]`` into some env, repeats ``actions[j]`` up to ``dt[j]``
-        times (stopping early at the episode's end), sums the rewards and returns the state
-        reached. Each worker gets a contiguous share of the pairs, in proportion to its envs,
-        in one round trip. A worker that dies is respawned and its share replayed from the
-        pairs' states, so the results are those of an undisturbed run; their infos carry
-        ``"multienv": {"restarted": True, "replayed": True, ...}``. Afterwards each env holds
-        the state of the last pair it ran; ``set_states`` or ``reset`` before ``step``.
-
-        Args:
-            actions: M actions (an array with a leading axis of M for array action spaces).
-            states: M states from ``get_states`` or an earlier ``step_batch`` (for envs with
-                ``get_state``/``set_state``, any values they take); None steps the envs
-                from their current states (then M must equal N).
-            dt: Steps per pair: an int, or M ints, each >= 1.
-
-        Returns:
-            ``(new_states, obs, rewards, terminated, truncated, infos)``: a list of M states
-            (in the envs' own form, as ``get_states`` gives them),
-            batched observations, float64 summed rewards and bool flags of the last step,
-            each of length M, and a list of M info dicts (the last step's).
-
-        Raises:
-            ValueError, TypeError: Actions, states and ``dt`` do not agree in length or kind,
-                or a state is of another env class; raised before anything is sent.
-            EnvError: An env raised; the lowest pair's error, naming its env.
-        """
-        self._check_idle("step_batch")
-        if states is None:
-            count = len(actions)
-            if count != self.num_envs:
-                raise ValueError(
-                    f"step_batch() without states steps every env from its current state: "
-                    f"pass {self.num_envs} actions, got {count}."
-                )
-            states = self.get_states()
-        return planning.step_batch(self, actions, states, dt)
-
-    def worker_groups(self) -> list[WorkerGroup]:
-        """The vector's workers, with their envs' positions (for ``multienv.planning``)."""
-        return self._groups
 
     def stats(self) -> list[dict[str, Any]]:
         """Per env: steps, episodes, restarts, recycles, last failure cause, latency p50/p99 (s).

@@ -1,8 +1,9 @@
 """PARENT SIDE, backend-neutral: env states and ``step_batch`` for planners.
 
 A planner (Monte-Carlo tree search, Go-Explore style search) clones env states, steps many
-(state, action) pairs in parallel and restores states at will. ``MultiEnv.get_states``,
-``set_states``, ``sync_states`` and ``step_batch`` are thin methods over the functions here.
+(state, action) pairs in parallel and restores states at will. ``PlanningApi`` holds the
+vector's ``get_states``, ``set_states``, ``sync_states`` and ``step_batch`` (``MultiEnv``
+inherits them), thin methods over the functions here.
 
 ``step_batch`` spreads M pairs over the workers in proportion to their envs (a contiguous
 share each, so every core is busy), sends each worker its share as one ``STEP_PAIRS``
@@ -15,7 +16,7 @@ the pairs' states, so the results are those of an undisturbed run;
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
@@ -33,7 +34,8 @@ from multienv.protocol import (
 )
 
 if TYPE_CHECKING:
-    from multienv.multi_env import MultiEnv
+    from multienv.autoreset import Autoreset
+    from multienv.fan_out import WorkerGroup
 
 _ARRAY_SPACES = (
     gym.spaces.Box,
@@ -43,11 +45,105 @@ _ARRAY_SPACES = (
 )
 
 
-def _descriptions(vec: MultiEnv) -> list[EnvDescription]:
+class PlanningApi:
+    """The planning methods of a vector env; ``MultiEnv`` inherits them."""
+
+    if TYPE_CHECKING:  # what they use of the vector
+        num_envs: int
+        envs: list[Any]
+        single_observation_space: gym.Space[Any]
+        single_action_space: gym.Space[Any]
+        _autoreset: Autoreset
+        _groups: list[WorkerGroup]
+
+        def _map(self, call: Callable[[int], Any]) -> tuple[Any, ...]: ...
+
+        def _check_idle(self, name: str) -> None: ...
+
+    def get_states(self) -> list[Any]:
+        """Each env's state, picklable, for ``set_states`` and ``step_batch``.
+
+        An env with ``get_state()`` / ``set_state(state)`` methods (the planning convention,
+        as plangym passes states around) gives what its ``get_state()`` returns, as it is; any
+        other env gives an opaque ``EnvSnapshot``: the env pickled whole, wrapper stack
+        included (time limit counters, RNG), so restoring it and stepping it again gives the
+        same results.
+        """
+        return list(self._map(lambda i: self.envs[i].get_state()))
+
+    def set_states(self, states: Sequence[Any]) -> None:
+        """Restore one state per env; each goes on mid-episode from there.
+
+        A worker that dies meanwhile is respawned and the state restored into the fresh env.
+        The observations the vector holds are not updated (a state carries none); the next
+        ``step`` returns those of the restored envs.
+
+        Raises:
+            TypeError, ValueError: ``states`` is not one state per env that the env can take
+                (an ``EnvSnapshot`` of its class, or any value for an env with
+                ``set_state``); raised before anything is sent. A value the env's own
+                ``set_state`` refuses raises ``EnvError`` naming the env.
+        """
+        checked = check_set_states(self, states)
+        self._map(lambda i: self.envs[i].set_state(checked[i]))
+        self._autoreset.after_reset(np.arange(self.num_envs))
+
+    def sync_states(self, state: Any) -> None:
+        """Restore the same state into every env (see ``set_states``)."""
+        self.set_states([state] * self.num_envs)
+
+    def step_batch(
+        self, actions: Any, states: Sequence[Any] | None = None, dt: Any = 1
+    ) -> tuple[list[Any], Any, np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        """Step M (state, action) pairs in parallel, M independent of N.
+
+        Pair j restores ``states[j]`` into some env, repeats ``actions[j]`` up to ``dt[j]``
+        times (stopping early at the episode's end), sums the rewards and returns the state
+        reached. Each worker gets a contiguous share of the pairs, in proportion to its envs,
+        in one round trip. A worker that dies is respawned and its share replayed from the
+        pairs' states, so the results are those of an undisturbed run; their infos carry
+        ``"multienv": {"restarted": True, "replayed": True, ...}``. Afterwards each env holds
+        the state of the last pair it ran; ``set_states`` or ``reset`` before ``step``.
+
+        Args:
+            actions: M actions (an array with a leading axis of M for array action spaces).
+            states: M states from ``get_states`` or an earlier ``step_batch`` (for envs with
+                ``get_state``/``set_state``, any values they take); None steps the envs
+                from their current states (then M must equal N).
+            dt: Steps per pair: an int, or M ints, each >= 1.
+
+        Returns:
+            ``(new_states, obs, rewards, terminated, truncated, infos)``: a list of M states
+            (in the envs' own form, as ``get_states`` gives them),
+            batched observations, float64 summed rewards and bool flags of the last step,
+            each of length M, and a list of M info dicts (the last step's).
+
+        Raises:
+            ValueError, TypeError: Actions, states and ``dt`` do not agree in length or kind,
+                or a state is of another env class; raised before anything is sent.
+            EnvError: An env raised; the lowest pair's error, naming its env.
+        """
+        self._check_idle("step_batch")
+        if states is None:
+            count = len(actions)
+            if count != self.num_envs:
+                raise ValueError(
+                    f"step_batch() without states steps every env from its current state: "
+                    f"pass {self.num_envs} actions, got {count}."
+                )
+            states = self.get_states()
+        return step_batch(self, actions, states, dt)
+
+    def worker_groups(self) -> list[WorkerGroup]:
+        """The vector's workers, with their envs' positions (for ``multienv.planning``)."""
+        return self._groups
+
+
+def _descriptions(vec: PlanningApi) -> list[EnvDescription]:
     return [proxy.supervisor.descriptions[proxy.position] for proxy in vec.envs]
 
 
-def check_states(vec: MultiEnv, states: Sequence[Any], what: str) -> list[Any]:
+def check_states(vec: PlanningApi, states: Sequence[Any], what: str) -> list[Any]:
     """``states`` as a list, each a state some env of the vector can take.
 
     An ``EnvSnapshot`` must be of a class the vector's envs have; any other value is a raw
@@ -77,7 +173,7 @@ def check_states(vec: MultiEnv, states: Sequence[Any], what: str) -> list[Any]:
     return checked
 
 
-def check_set_states(vec: MultiEnv, states: Sequence[Any]) -> list[Any]:
+def check_set_states(vec: PlanningApi, states: Sequence[Any]) -> list[Any]:
     """One state per env, each one that env can take; raises naming the env otherwise."""
     if isinstance(states, EnvSnapshot | np.ndarray) or not isinstance(states, Sequence):
         raise TypeError(
@@ -95,7 +191,7 @@ def check_set_states(vec: MultiEnv, states: Sequence[Any]) -> list[Any]:
 
 
 def step_batch(
-    vec: MultiEnv, actions: Any, states: Sequence[Any] | None, dt: Any
+    vec: PlanningApi, actions: Any, states: Sequence[Any] | None, dt: Any
 ) -> tuple[list[Any], Any, np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
     """See ``MultiEnv.step_batch``; ``states`` None has been replaced by the current ones."""
     assert states is not None
@@ -170,7 +266,7 @@ def step_batch(
     return new_states, obs, rewards, terminated, truncated, infos
 
 
-def _actions(vec: MultiEnv, actions: Any, count: int) -> list[Any]:
+def _actions(vec: PlanningApi, actions: Any, count: int) -> list[Any]:
     space = vec.single_action_space
     if isinstance(space, _ARRAY_SPACES):
         array = np.asarray(actions)

@@ -3,21 +3,87 @@
 ``send`` steps some envs and returns at once; ``recv`` returns the first envs to finish.
 The envs of one worker travel together, so a worker is either idle or stepping one batch.
 ``InFlight`` keeps, per worker, the envs it is stepping and, per env, the results collected
-but not yet returned.
+but not yet returned. ``SendRecvApi`` holds the two methods (``MultiEnv`` inherits them).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from gymnasium.error import ClosedEnvironmentError
 
+from multienv import vector_checks
 from multienv.assembly import Assembly, StepBatch
 from multienv.autoreset import Autoreset
 from multienv.errors import EnvStateError, WaitTimeoutError
 from multienv.fan_out import FanOut, finish, raise_first
 from multienv.protocol import Batch
+
+
+class SendRecvApi:
+    """A vector env's ``send`` and ``recv``; ``MultiEnv`` inherits them."""
+
+    if TYPE_CHECKING:  # what they use of the vector
+        closed: bool
+        num_envs: int
+        _pending: Any
+        _in_flight: InFlight
+        _autoreset: Autoreset
+
+        def _split_actions(self, actions: Any, env_ids: list[int] | None) -> Any: ...
+
+    def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
+        """Send a step to some envs and return at once; ``recv()`` collects the first to finish.
+
+        EnvPool-style asynchronous stepping: keep some envs stepping while you learn from
+        the others, so a slow env does not hold back the batch. The envs of one worker
+        travel together: an env cannot be sent while its worker steps others.
+
+        Example:
+            >>> import gymnasium as gym, numpy as np
+            >>> from multienv import MultiEnv
+            >>> with MultiEnv([lambda: gym.make("CartPole-v1")] * 4) as envs:
+            ...     _ = envs.reset(seed=0)
+            ...     envs.send(np.zeros(4, dtype=np.int64))
+            ...     obs, rewards, terminations, truncations, infos = envs.recv(batch_size=2)
+            ...     envs.send(np.ones(2, dtype=np.int64), infos["env_id"])
+            ...     _ = envs.recv()  # the other two, then these two (all that are in flight)
+            ...     obs.shape, len(infos["env_id"])
+            ((2, 4), 2)
+
+        Args:
+            actions: One action per env of ``env_ids``, in that order.
+            env_ids: The envs to step (distinct, none already in flight); default all.
+        """
+        if self.closed:
+            raise ClosedEnvironmentError("MultiEnv.send() called after close().")
+        if self._pending is not None:
+            raise EnvStateError("MultiEnv.send() called while a step_async() is pending.")
+        ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, self._in_flight.env_ids())
+        batch_actions = self._split_actions(actions, ids)
+        self._autoreset.check_can_step(ids)
+        self._in_flight.send(ids, batch_actions)
+
+    def recv(
+        self, batch_size: int | None = None, timeout: float | None = None
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Collect the steps of the first ``batch_size`` envs to finish among those in flight.
+
+        Args:
+            batch_size: How many envs to return; default all that are in flight.
+            timeout: Seconds to wait; on expiry ``TimeoutError`` is raised and every step
+                stays in flight, so nothing is lost.
+
+        Returns:
+            ``(obs, rewards, terminations, truncations, infos)`` for ``batch_size`` envs in
+            ascending env order; ``infos["env_id"]`` holds their indices.
+        """
+        if self.closed:
+            raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
+        return self._in_flight.recv(batch_size, timeout)
 
 
 class InFlight:

@@ -12,11 +12,12 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.vector.utils import batch_space, iterate
+from gymnasium.vector.utils import batch_differing_spaces, batch_space, iterate
 
 from multienv.env_proxy import RemoteEnv
 from multienv.errors import EnvStateError, SpaceMismatchError
 from multienv.lifecycle import EnvState
+from multienv.space_bounds import lean_batch_space
 
 _ARRAY_ACTION_SPACES = (
     gym.spaces.Box,
@@ -73,8 +74,14 @@ def check_ready(proxies: Sequence[Any]) -> None:
             )
 
 
-def check_spaces(proxies: Sequence[Any], mode: str | tuple[gym.Space[Any], gym.Space[Any]]) -> None:
-    """Spaces that batch together under Gymnasium's ``observation_mode``; errors name the env."""
+def observation_spaces(
+    proxies: Sequence[Any], mode: str | tuple[gym.Space[Any], gym.Space[Any]]
+) -> tuple[gym.Space[Any], gym.Space[Any], bool]:
+    """The batched and single observation spaces, and whether every env has the same one.
+
+    The envs' spaces must batch together under Gymnasium's ``observation_mode``; errors name
+    the env.
+    """
     first = proxies[0]
     for env_index, proxy in enumerate(proxies):
         space = proxy.observation_space
@@ -102,6 +109,14 @@ def check_spaces(proxies: Sequence[Any], mode: str | tuple[gym.Space[Any], gym.S
                 f"with {single!r}.",
                 env_index=env_index,
             )
+    single = first.observation_space
+    if isinstance(mode, tuple):
+        return mode[0], mode[1], True
+    if mode == "different":
+        spaces = [proxy.observation_space for proxy in proxies]
+        is_uniform = all(space == single for space in spaces)
+        return batch_differing_spaces(spaces), single, is_uniform
+    return lean_batch_space(single, len(proxies)), single, True
 
 
 def _same_shape(space: gym.Space[Any], other: gym.Space[Any]) -> bool:
