@@ -643,3 +643,16 @@ class PidInfoEnv(CountingEnv):
         obs, reward, terminated, truncated, _ = super().step(action)
         pid = os.getpid()
         return obs, reward, terminated, truncated, {f"pid_{pid}": pid, "count": self.count}
+
+
+class BigFrameEnv(CountingEnv):
+    """A CountingEnv with Atari-sized frames, a fresh 100 KB copy at every step, as ale-py gives."""
+
+    def __init__(self) -> None:
+        super().__init__(episode_length=500)
+        self.observation_space = gym.spaces.Box(0, 255, shape=(210, 160, 3), dtype=np.uint8)
+        self.frame = np.zeros((210, 160, 3), dtype=np.uint8)
+
+    def _obs(self) -> np.ndarray:
+        self.frame[self.count % 210] = self.count % 256
+        return self.frame.copy()
