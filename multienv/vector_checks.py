@@ -244,8 +244,8 @@ def split_actions(
     else:
         _check_action_shapes(actions, env_ids, space)
         batch = np.asarray(actions)
-    if isinstance(space, gym.spaces.Discrete | gym.spaces.MultiDiscrete) and not (
-        np.issubdtype(batch.dtype, np.integer)
+    if isinstance(space, gym.spaces.Discrete | gym.spaces.MultiDiscrete) and (
+        batch.dtype.kind not in "iu"  # np.issubdtype(dtype, np.integer), at a tenth the cost
     ):
         raise ValueError(f"expected integer actions for {space!r}, got dtype {batch.dtype}.")
     return batch
