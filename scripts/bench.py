@@ -25,7 +25,8 @@ each round. Every implementation steps the same pre-sampled random actions. mult
 with ``envs_per_worker`` k in {1, N/2, N}; "multienv async" keeps every env in flight with
 ``send``/``recv(batch_size=N // 2)``; the others step the whole batch in lock step.
 Gymnasium and multienv return copies of the observations (their default, ``copy=True``);
-PufferLib returns views, and so does the row "multienv k=N/2 views" (``copy=False``).
+PufferLib returns views, and so do the rows "multienv k=N/2 views" (``copy=False``) and
+"multienv k=N/2 views spin" (the same in hot mode, ``wait="spin"``).
 
 Every sample runs in a fresh process; implementations are interleaved in rounds; each
 figure is the median over rounds, and each ratio is the median of the ratios measured
@@ -357,8 +358,11 @@ def implementations(n: int, workload: str = "cheap") -> list[str]:
     if is_installed("pufferlib.vector"):
         names += [f"PufferLib workers={w}" for w in (1, 2) if n % w == 0]
     names += [f"multienv k={k}" for k in sorted({1, max(1, n // 2), n})]
-    names.append(f"multienv k={max(1, n // 2)} views")
+    half = max(1, n // 2)
+    names.append(f"multienv k={half} views")
     names += [f"multienv k={k} spin" for k in spin_layouts(n)]
+    if half in spin_layouts(n):  # hot mode at its fastest, returning views as PufferLib does
+        names.append(f"multienv k={half} views spin")
     names.append("multienv async k=1")
     return names
 
@@ -400,10 +404,11 @@ def run_implementation(
     if name == "multienv async k=1":
         return run_multienv_async(fns, steps, bank)
     k, _, variant = name.rpartition("=")[2].partition(" ")
-    options: dict[str, Any] = {"copy": variant != "views"}
+    words = variant.split()
+    options: dict[str, Any] = {"copy": "views" not in words}
     if variant in ("pinned", "unpinned"):  # else multienv decides (pinned: a CPU each)
         options["pin_cpu"] = variant == "pinned"
-    if variant == "spin":
+    if "spin" in words:
         options["wait"] = "spin"
     return run_vector(lambda: MultiEnv(fns, envs_per_worker=int(k), **options), steps, bank)
 
@@ -419,6 +424,7 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
         kept = {"sequential loop", "gymnasium AsyncVectorEnv", "multienv k=1", "EnvPool"}
         kept.add(f"multienv k={max(1, n // 2)}")
         kept.update(f"multienv k={k} spin" for k in spin_layouts(n))
+        kept.add(f"multienv k={max(1, n // 2)} views spin")
         names = [name for name in names if name in kept]
     if args.pinned:
         names += [
