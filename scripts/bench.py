@@ -288,7 +288,9 @@ def run_tianshou(fns: list[Callable[[], gym.Env]], vector_steps: int) -> Timer:
         envs.close()
 
 
-def run_pufferlib(fns: list[Callable[[], gym.Env]], workers: int, vector_steps: int) -> Timer:
+def run_pufferlib(
+    fns: list[Callable[[], gym.Env]], workers: int, vector_steps: int, bank: list[Any]
+) -> Timer:
     """PufferLib's Multiprocessing backend, all envs in one batch (it resets envs itself)."""
     import pufferlib.emulation
     import pufferlib.vector
@@ -306,13 +308,14 @@ def run_pufferlib(fns: list[Callable[[], gym.Env]], workers: int, vector_steps: 
     try:
         envs.async_reset(0)
         envs.recv()
-        actions = np.zeros(n, dtype=np.int32)
-        for _ in range(20):
-            envs.send(actions)
+        space = envs.action_space  # the batch of its flattened spaces: MultiDiscrete, Box
+        actions = [np.asarray(a, dtype=space.dtype).reshape(space.shape) for a in bank]
+        for t in range(20):
+            envs.send(actions[t % len(actions)])
             envs.recv()
         with Timer() as timer:
-            for _ in range(vector_steps):
-                envs.send(actions)
+            for t in range(vector_steps):
+                envs.send(actions[t % len(actions)])
                 envs.recv()
         return timer
     finally:
@@ -400,7 +403,7 @@ def run_implementation(
     if name == "Tianshou ShmemVectorEnv":
         return run_tianshou(fns, steps)
     if name.startswith("PufferLib workers="):
-        return run_pufferlib(fns, int(name.rpartition("=")[2]), steps)
+        return run_pufferlib(fns, int(name.rpartition("=")[2]), steps, bank)
     if name == "multienv async k=1":
         return run_multienv_async(fns, steps, bank)
     k, _, variant = name.rpartition("=")[2].partition(" ")
