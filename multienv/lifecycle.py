@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 from gymnasium.error import ClosedEnvironmentError
 
-from multienv.errors import EnvCrashedError, EnvStateError
+from multienv.errors import EnvCrashedError, EnvError, EnvStateError
 from multienv.failures import RestartLedger, envs_text, remote_error
 from multienv.handles import Death
 
 if TYPE_CHECKING:
     from multienv.handles import WorkerHandle
-    from multienv.protocol import EnvDescription
+    from multienv.protocol import EnvDescription, RemoteFailure
     from multienv.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -174,12 +174,21 @@ class WorkerLife:
         if reply.failure is not None:
             if self._restart_on_error:
                 return f"error: {reply.failure.type_name}"
-            failure = reply.failure
-            env_index = self._env_indices[failure.position or 0]
             advice = "The worker has exited; initialize() again tries env_fn in a new worker."
-            raise remote_error(failure, "initialize", env_index, self._handle.pid, advice)
+            raise self.env_error(reply.failure, "initialize", reply.failure.position, advice)
         self.descriptions = reply.value
         return None
+
+    def env_error(
+        self,
+        failure: RemoteFailure,
+        name: str,
+        position: int | None,
+        advice: str = "The worker is still alive.",
+    ) -> EnvError:
+        """The ``EnvError`` for a failure in the worker, with its traceback chained."""
+        env_index = self._env_indices[position if position is not None else 0]
+        return remote_error(failure, name, env_index, self._handle.pid, advice)
 
     def _bury(self, cause: str) -> None:
         """Reap the dead worker, then wait out the backoff or raise if the budget is spent."""

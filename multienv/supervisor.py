@@ -42,7 +42,7 @@ from multienv.errors import (
     EnvError,
     EnvStateError,
 )
-from multienv.failures import RestartLedger, remote_error
+from multienv.failures import RestartLedger
 from multienv.handles import Backend, Death, SharedMemoryHandle, WorkerHandle
 from multienv.lifecycle import EnvState, WorkerLife
 from multienv.log_limit import failure_log
@@ -408,8 +408,7 @@ class WorkerSupervisor:
         advice: str = "The worker is still alive.",
     ) -> EnvError:
         """The ``EnvError`` for a failure in the worker, with its traceback chained."""
-        env_index = self.env_indices[position if position is not None else 0]
-        return remote_error(failure, name, env_index, self.handle.pid, advice)
+        return self._life.env_error(failure, name, position, advice)
 
     # ----------------------------------------------------------------- internals
 
