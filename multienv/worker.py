@@ -66,7 +66,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _HEAP_BLOCK = 32 << 20  # blocks below this come from the heap, not from their own mmap
 _HEAP_KEPT = 64 << 20  # free memory kept at the heap's top
-_MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 OS_NAME_PREFIX = "multienv-w"  # /proc/<pid>/comm of a worker is this plus its first env index
 _PARENT_POLL_S = 0.5  # fallback only, when pidfd_open is unavailable
 
@@ -363,7 +363,7 @@ def keep_freed_heap() -> bool:
     Returns:
         Whether the thresholds were set (glibc only).
     """
-    if any(name in os.environ for name in _MALLOC_VARIABLES):
+    if any(name in os.environ for name in MALLOC_VARIABLES):
         return False
     try:
         is_glibc = (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")

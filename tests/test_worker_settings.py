@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from multienv import MultiEnv, SubprocessEnv
+from multienv.worker import MALLOC_VARIABLES
 from multienv.worker_settings import SPIN_S, THREAD_VARIABLES, WorkerSettings
 from tests.conftest import live_workers
 from tests.envs import BigFrameEnv, CountingEnv, ThreadProbe
@@ -149,7 +150,6 @@ def _faults_per_step(envs: MultiEnv, steps: int = 100) -> float:
     return (_minor_faults(pid) - before) / steps
 
 
-MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 glibc_only = pytest.mark.skipif(
     not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="glibc's malloc"
 )
