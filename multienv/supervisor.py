@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from multienv.errors import (
-    EnvError,
     EnvStateError,
 )
 from multienv.failures import RestartLedger
@@ -52,7 +51,6 @@ from multienv.protocol import (
     BatchResult,
     Command,
     EnvDescription,
-    RemoteFailure,
     Request,
     StepPlan,
 )
@@ -146,6 +144,7 @@ class WorkerSupervisor:
             restart_on_error=restart_on_error,
             on_spawn=(lambda: None) if self._recycler is None else self._recycler.on_spawn,
         )
+        self.env_error = self._life.env_error  # the EnvError of a failure in the worker
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -399,16 +398,6 @@ class WorkerSupervisor:
     def read_obs(self, position: int) -> Any:
         """The observation the caller last saw for the env at ``position``."""
         return self._cuts.last_obs(position)
-
-    def env_error(
-        self,
-        failure: RemoteFailure,
-        name: str,
-        position: int | None,
-        advice: str = "The worker is still alive.",
-    ) -> EnvError:
-        """The ``EnvError`` for a failure in the worker, with its traceback chained."""
-        return self._life.env_error(failure, name, position, advice)
 
     # ----------------------------------------------------------------- internals
 
