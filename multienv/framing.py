@@ -24,7 +24,7 @@ import pickle
 import select
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -141,6 +141,26 @@ def write_frame(fd: int, data: bytes) -> None:
             view = view[os.write(fd, view) :]
 
 
+def poll_hot(poll: Callable[[int], list[tuple[int, int]]], spin_s: float) -> list[tuple[int, int]]:
+    """Poll without sleeping for up to ``spin_s``, yielding the core between polls.
+
+    Args:
+        poll: A ``select.poll`` object's ``poll``.
+        spin_s: How long to keep polling; the caller sleeps in a blocking wait after that.
+
+    Returns:
+        The events of the first poll that had any; empty when none came in time.
+    """
+    events = poll(0)
+    if events or spin_s <= 0:
+        return events
+    give_up = time.perf_counter() + spin_s
+    while not events and time.perf_counter() < give_up:
+        os.sched_yield()
+        events = poll(0)
+    return events
+
+
 class MessageReader:
     """Reads framed messages from a socket fd; raises EOFError when the other end is gone.
 
@@ -177,11 +197,8 @@ class MessageReader:
         return buffer[_HEADER.size : end]
 
     def _read_some(self, size: int) -> bytes:
-        poll = self._poll
-        if poll is not None and not poll(0):  # hot: keep the core awake for the next request
-            give_up = time.perf_counter() + self._spin_s
-            while not poll(0) and time.perf_counter() < give_up:
-                os.sched_yield()
+        if self._poll is not None:  # hot: keep the core awake for the next request
+            poll_hot(self._poll, self._spin_s)
         chunk = os.read(self._fd, size)
         if not chunk:
             raise EOFError("the other end of the pipe closed")

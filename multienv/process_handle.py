@@ -24,7 +24,15 @@ from typing import Any
 from gymnasium.error import ClosedEnvironmentError
 
 from multienv import module_server
-from multienv.framing import DONE_OK, MessageReader, decode, encode, frame, write_frame
+from multienv.framing import (
+    DONE_OK,
+    MessageReader,
+    decode,
+    encode,
+    frame,
+    poll_hot,
+    write_frame,
+)
 from multienv.handles import Death
 from multienv.process_launch import (
     LinkPayload,
@@ -58,11 +66,15 @@ class ProcessHandle:
 
     Args:
         recipe: How to start the worker process.
+        spin_s: How long a wait for the worker polls without sleeping first, yielding the
+            core between polls (``wait="spin"`` with a core to spare; see
+            ``worker_settings``); 0 sleeps at once.
     """
 
-    def __init__(self, recipe: WorkerRecipe) -> None:
+    def __init__(self, recipe: WorkerRecipe, spin_s: float = 0.0) -> None:
         """Keep what a spawn needs; no process is started yet."""
         self._recipe = recipe
+        self._spin_s = spin_s
         self._env_index = recipe.env_index
         self._process: BaseProcess | None = None  # None once reaped
         self._pid: int | None = None
@@ -326,7 +338,9 @@ class ProcessHandle:
                     return _DONE_OK_REPLY
                 seq = 0  # the reply follows on our own pipe
             try:
-                events = self._poller.poll(poll_ms(deadline, time.monotonic()))
+                events = poll_hot(self._poller.poll, self._spin_s) if self._spin_s else []
+                if not events:
+                    events = self._poller.poll(poll_ms(deadline, time.monotonic()))
             except (OSError, ValueError):
                 events = [(process.sentinel, 0)]  # close() on another thread closed the pipe
             if self._is_closing.is_set():

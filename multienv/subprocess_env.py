@@ -30,7 +30,7 @@ from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 from multienv.shm_link import open_subprocess_link
 from multienv.supervisor import WorkerSupervisor
-from multienv.worker_settings import WorkerSettings, check_spinners
+from multienv.worker_settings import SPIN_S, WorkerSettings, check_spinners, parent_spins
 
 EnvFn = Callable[[], gym.Env[Any, Any]]
 
@@ -153,7 +153,9 @@ class SubprocessEnv(RemoteEnv):
         wait: "sleep" (default): the worker sleeps until its next request. "spin": hot
             mode: after each answer it polls for the next request for 2 ms before it
             sleeps, so its core stays awake, and each worker keeps a core busy. Refused
-            when the workers would outnumber the cores; see docs/performance.rst.
+            when the workers would outnumber the cores. When a vector's workers leave a
+            core to spare, the parent polls for the workers' answers the same way, keeping
+            that core busy too; see docs/performance.rst.
     """
 
     def __init__(
@@ -207,12 +209,14 @@ def _supervise(
     pin_cpu: bool | None = None,
     wait: str = "sleep",
     is_probe: bool = False,
+    parent_spin: bool = False,
     **supervisor_options: Any,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one worker's handle and supervisor.
 
     ``supervisor_options`` are ``WorkerSupervisor``'s (timeouts, policies), as
-    ``SubprocessEnv`` documents them.
+    ``SubprocessEnv`` documents them. ``parent_spin``: the handle polls for ``SPIN_S``
+    before it sleeps on the worker (a hot vector's choice, ``parent_spins``).
     """
     preload_names = _checked_preload(preload, f"env {first_env_index}")
     worker_number = first_env_index // max(1, len(env_fns))
@@ -227,9 +231,10 @@ def _supervise(
         is_forkserver = resolved.get_start_method() == "forkserver"
         born_with = (forkserver_thread_env() or {}) if is_forkserver else {}
         worker_settings = settings.for_fork_from(born_with, os.environ)
-        return ProcessHandle(
-            WorkerRecipe(resolved, env_fn_bytes, first_env_index, daemon, worker_settings, is_probe)
+        recipe = WorkerRecipe(
+            resolved, env_fn_bytes, first_env_index, daemon, worker_settings, is_probe
         )
+        return ProcessHandle(recipe, spin_s=SPIN_S if parent_spin else 0.0)
 
     return supervise(env_fns, first_env_index, make_handle, BACKEND, **supervisor_options)
 
@@ -258,7 +263,7 @@ def create_subprocess_envs(
     """
     if "env_index" in options:
         raise TypeError("create_subprocess_envs() numbers the envs itself; do not pass env_index")
-    probe = False
+    probe = parent_spin = False
     if (
         not isinstance(envs_per_worker, bool)
         and isinstance(envs_per_worker, int)
@@ -266,13 +271,14 @@ def create_subprocess_envs(
     ):
         num_workers = -(-len(env_fns) // envs_per_worker)
         check_spinners(options.get("wait", "sleep"), num_workers)
+        parent_spin = parent_spins(options.get("wait", "sleep"), num_workers)
         if options.get("pin_cpu") is None:  # one CPU each, when there are enough
             options = {**options, "pin_cpu": num_workers <= len(os.sched_getaffinity(0))}
         probe = bool(env_fns) and _should_probe(num_workers, options)
     return create_envs(
         env_fns,
         envs_per_worker,
-        lambda fns, first: _supervise(fns, first, **options),
+        lambda fns, first: _supervise(fns, first, parent_spin=parent_spin, **options),
         SubprocessEnv,
         "create_subprocess_envs",
         before_start=(lambda: _start_module_server(env_fns[0], options)) if probe else None,

@@ -14,8 +14,10 @@ no more workers than those CPUs (``pin_cpu=None``, the default; ``subprocess_env
 
 ``wait="spin"`` (off by default) makes a worker poll its pipe for ``SPIN_S`` after each
 answer instead of sleeping at once, so its core stays awake for the next step: each worker
-keeps one core busy (the parent still sleeps). ``check_spinners`` refuses more spinning
-workers than the cores this process may use.
+keeps one core busy. ``check_spinners`` refuses more spinning workers than the cores this
+process may use. The parent counts as one more spinner when it polls too: it does, for up
+to ``SPIN_S`` of each wait for a worker, only when a vector leaves a core to spare for it
+(``parent_spins``); otherwise it sleeps on one wake-up per worker.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ SPIN_S = 0.002  # how long a hot worker polls for its next request before it sle
 def check_spinners(wait: str, num_workers: int, env_index: int = 0) -> None:
     """Refuse ``wait="spin"`` when its spinning workers outnumber this process's cores.
 
-    The parent sleeps while the workers step, so it is not counted; but it needs a core
-    between steps too, which a spinner gives up at each poll (``os.sched_yield``).
+    The parent is not counted: it spins only with a core to spare (``parent_spins``), and
+    otherwise sleeps while the workers step. It needs a core between steps too, which a
+    spinner gives up at each poll (``os.sched_yield``).
     """
     if wait not in WAIT_MODES:
         raise ValueError(f"env {env_index}: wait must be 'sleep' or 'spin', got {wait!r}")
@@ -44,6 +47,15 @@ def check_spinners(wait: str, num_workers: int, env_index: int = 0) -> None:
             f"process may use {cores} core(s) (os.sched_getaffinity). Host more envs per "
             f"worker (envs_per_worker >= N / {cores}) or use wait='sleep'."
         )
+
+
+def parent_spins(wait: str, num_workers: int) -> bool:
+    """Whether the parent of a hot vector polls too while it waits for its workers.
+
+    Only when the workers leave one of this process's cores to spare: counting the parent,
+    hot mode never has more spinners than cores.
+    """
+    return wait == "spin" and num_workers + 1 <= len(os.sched_getaffinity(0))
 
 
 @dataclasses.dataclass(frozen=True)

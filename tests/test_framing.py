@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pickle
+import select
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -99,6 +101,54 @@ def test_a_spinning_reader_stays_runnable_while_it_waits_and_a_plain_one_sleeps(
         theirs.sendall(framing.frame(b"done"))
         thread.join(5.0)
         assert got == [b"done"]
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_poll_hot_returns_the_first_events_and_gives_up_empty_after_spin_s() -> None:
+    """The parent's hot wait: it polls until something comes, or for spin_s at most."""
+    ours, theirs = socket.socketpair()
+    poller = select.poll()
+    poller.register(ours.fileno(), select.POLLIN)
+    try:
+        began = time.perf_counter()
+        assert framing.poll_hot(poller.poll, 0.05) == []
+        assert time.perf_counter() - began >= 0.05
+        began = time.perf_counter()
+        assert framing.poll_hot(poller.poll, 0.0) == []  # 0: one look, no spin
+        assert time.perf_counter() - began < 0.05
+        theirs.sendall(b"x")
+        assert framing.poll_hot(poller.poll, 5.0) == [(ours.fileno(), select.POLLIN)]
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_poll_hot_stays_runnable_until_the_event_comes() -> None:
+    ours, theirs = socket.socketpair()
+    poller = select.poll()
+    poller.register(ours.fileno(), select.POLLIN)
+    got: list[list[tuple[int, int]]] = []
+    native_id: list[int] = []
+
+    def wait() -> None:
+        native_id.append(threading.get_native_id())
+        got.append(framing.poll_hot(poller.poll, 5.0))
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    try:
+        while not native_id:
+            threading.Event().wait(0.001)
+        states = []
+        for _ in range(20):
+            threading.Event().wait(0.005)
+            states.append(_thread_state(native_id[0]))
+        assert states.count("R") >= 15, states
+        theirs.sendall(b"x")
+        thread.join(5.0)
+        assert got == [[(ours.fileno(), select.POLLIN)]]
     finally:
         ours.close()
         theirs.close()

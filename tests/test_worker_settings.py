@@ -10,7 +10,7 @@ import pytest
 
 from multienv import MultiEnv, SubprocessEnv
 from multienv.worker import MALLOC_VARIABLES
-from multienv.worker_settings import SPIN_S, THREAD_VARIABLES, WorkerSettings
+from multienv.worker_settings import SPIN_S, THREAD_VARIABLES, WorkerSettings, parent_spins
 from tests.conftest import live_workers
 from tests.envs import BigFrameEnv, CountingEnv, ThreadProbe
 
@@ -116,6 +116,26 @@ def test_wait_spin_is_in_the_launch_recipe_of_every_worker():
             assert proxy.supervisor.handle._recipe.settings.spin_s == SPIN_S
     with MultiEnv([CountingEnv] * 2, envs_per_worker=2) as envs:
         assert envs.envs[0].supervisor.handle._recipe.settings.spin_s == 0.0
+
+
+def test_a_hot_parent_spins_only_with_a_core_to_spare():
+    cores = len(os.sched_getaffinity(0))
+    assert parent_spins("spin", cores - 1)
+    assert not parent_spins("spin", cores)
+    assert not parent_spins("sleep", 1)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core to spare")
+def test_a_hot_vector_makes_its_parent_spin_only_when_its_workers_leave_a_core():
+    cores = len(os.sched_getaffinity(0))
+    with MultiEnv([CountingEnv] * 2, envs_per_worker=2, wait="spin") as envs:
+        envs.reset(seed=0)
+        envs.step(envs.action_space.sample())
+        assert envs.envs[0].supervisor.handle._spin_s == SPIN_S
+    with MultiEnv([CountingEnv] * cores, wait="spin") as envs:  # a worker per core
+        assert {proxy.supervisor.handle._spin_s for proxy in envs.envs} == {0.0}
+    with MultiEnv([CountingEnv] * 2, envs_per_worker=2) as envs:
+        assert envs.envs[0].supervisor.handle._spin_s == 0.0
 
 
 def test_hot_mode_refuses_more_spinning_workers_than_cores():
