@@ -26,7 +26,9 @@ with ``envs_per_worker`` k in {1, N/2, N}; "multienv async" keeps every env in f
 ``send``/``recv(batch_size=N // 2)``; the others step the whole batch in lock step.
 Gymnasium and multienv return copies of the observations (their default, ``copy=True``);
 PufferLib returns views, and so do the rows "multienv k=N/2 views" (``copy=False``) and
-"multienv k=N/2 views spin" (the same in hot mode, ``wait="spin"``).
+"multienv k=... views spin" (the same in hot mode, ``wait="spin"``). Hot mode runs with as
+many workers as cores, and with one worker, which leaves a core to the parent: it then
+polls for the worker's answers too.
 
 Every sample runs in a fresh process; implementations are interleaved in rounds; each
 figure is the median over rounds, and each ratio is the median of the ratios measured
@@ -364,8 +366,8 @@ def implementations(n: int, workload: str = "cheap") -> list[str]:
     half = max(1, n // 2)
     names.append(f"multienv k={half} views")
     names += [f"multienv k={k} spin" for k in spin_layouts(n)]
-    if half in spin_layouts(n):  # hot mode at its fastest, returning views as PufferLib does
-        names.append(f"multienv k={half} views spin")
+    # hot mode at its fastest, returning views as PufferLib does
+    names += [f"multienv k={k} views spin" for k in spin_layouts(n)]
     names.append("multienv async k=1")
     return names
 
@@ -426,8 +428,8 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
     if args.only_multienv:  # the references, and multienv at k=1 and k=N/2
         kept = {"sequential loop", "gymnasium AsyncVectorEnv", "multienv k=1", "EnvPool"}
         kept.add(f"multienv k={max(1, n // 2)}")
-        kept.update(f"multienv k={k} spin" for k in spin_layouts(n))
-        kept.add(f"multienv k={max(1, n // 2)} views spin")
+        for k in spin_layouts(n):
+            kept.update((f"multienv k={k} spin", f"multienv k={k} views spin"))
         names = [name for name in names if name in kept]
     if args.pinned:
         names += [
