@@ -277,7 +277,7 @@ def _actions(vec: PlanningApi, actions: Any, count: int) -> list[Any]:
                 f"for {count} states."
             )
         if isinstance(space, gym.spaces.Discrete):
-            return list(array.tolist())  # Python ints: what envs check fastest
+            return list(array.tolist())  # Python ints: they pickle smaller than numpy ones
         return list(array)
     action_list = list(actions)
     if len(action_list) != count:

@@ -361,7 +361,11 @@ class SlotWriter:
         self.infos = ColumnWriter(self._mapping.info_schema, self._mapping.info_cells)
 
     def read_actions(self, positions: Sequence[int]) -> list[Any]:
-        """The actions of the envs at ``positions`` as the parent wrote them (Discrete: ints)."""
+        """The actions of the envs at ``positions`` as the parent wrote them.
+
+        As Gymnasium's vector envs pass them: a Discrete action is a numpy integer (which
+        ``Discrete.contains`` checks faster than a Python int), other actions are arrays.
+        """
         actions = self._mapping.actions
         if not positions:
             return []
@@ -369,9 +373,8 @@ class SlotWriter:
         env_indices = self.env_indices
         if len(positions) == 1:
             row = actions[env_indices[positions[0]]]
-            return [int(row)] if self._is_discrete else [row.copy()]
-        rows = actions[self._index_of(positions)]
-        return rows.tolist() if self._is_discrete else list(rows)
+            return [row if self._is_discrete else row.copy()]
+        return list(actions[self._index_of(positions)])
 
     def write_obs(self, position: int, slot: int, obs: Any) -> None:
         """Write ``obs`` into the slot of the env at ``position``; its shape was checked."""

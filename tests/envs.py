@@ -48,6 +48,18 @@ class CountingEnv(gym.Env):
         return np.array([self.count], dtype=np.float32)
 
 
+class ActionTypeEnv(CountingEnv):
+    """Keeps the type of every action it was given."""
+
+    def __init__(self) -> None:
+        super().__init__(episode_length=1000)
+        self.action_types: list[str] = []
+
+    def step(self, action):
+        self.action_types.append(type(action).__name__)
+        return super().step(action)
+
+
 class DictObsEnv(gym.Env):
     """A Dict observation space with random dynamics and episodes of random length."""
 

@@ -29,6 +29,7 @@ from multienv import (
 )
 from tests.conftest import Layout, live_workers
 from tests.envs import (
+    ActionTypeEnv,
     CountingEnv,
     DictObsEnv,
     HangOnStep,
@@ -96,6 +97,27 @@ def test_env_i_lives_in_worker_i_floor_k_and_pid_names_its_process(layout):
 def test_matches_sync_vector_env_step_by_step(layout, mode, factory):
     ended = run_side_by_side(factory, mode, steps=200, num_envs=N, seed=11, **layout.options)
     assert ended > N
+
+
+@layouts
+def test_envs_get_their_actions_as_sync_vector_env_gives_them(layout):
+    """Discrete actions arrive as numpy integers, whether one env steps or several."""
+    fns = [ActionTypeEnv] * N
+    ref = SyncVectorEnv(fns)
+    try:
+        with MultiEnv(fns, **layout.options) as ours:
+            for envs in (ours, ref):
+                envs.reset(seed=0)
+                envs.step(np.arange(N) % 2)
+            ours.send(np.ones(1, dtype=np.int64), [0])  # one env of its worker alone
+            ours.recv(batch_size=1)
+            got = ours.get_attr("action_types")
+        expected = ref.get_attr("action_types")
+        assert expected[0] == ["int64"]
+        assert got[0] == expected[0] * 2
+        assert list(got[1:]) == list(expected[1:])
+    finally:
+        ref.close()
 
 
 @pytest.mark.fault
