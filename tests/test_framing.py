@@ -7,6 +7,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -72,6 +73,25 @@ def _thread_state(tid: int) -> str:
         return f.read().rpartition(")")[2].split()[0]
 
 
+def _states_while(wait: Callable[[], None]) -> tuple[threading.Thread, list[str]]:
+    """Run ``wait`` on a thread; its state (``R``, ``S``...) sampled 20 times, 5 ms apart."""
+    native_id: list[int] = []
+
+    def run() -> None:
+        native_id.append(threading.get_native_id())
+        wait()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    while not native_id:
+        threading.Event().wait(0.001)
+    states = []
+    for _ in range(20):
+        threading.Event().wait(0.005)
+        states.append(_thread_state(native_id[0]))
+    return thread, states
+
+
 @pytest.mark.parametrize(("spin_s", "expected"), [(5.0, "R"), (0.0, "S")])
 def test_a_spinning_reader_stays_runnable_while_it_waits_and_a_plain_one_sleeps(
     spin_s: float, expected: str
@@ -80,21 +100,8 @@ def test_a_spinning_reader_stays_runnable_while_it_waits_and_a_plain_one_sleeps(
     ours, theirs = socket.socketpair()
     reader = framing.MessageReader(ours.fileno(), spin_s=spin_s)
     got: list[bytes] = []
-    native_id: list[int] = []
-
-    def read() -> None:
-        native_id.append(threading.get_native_id())
-        got.append(reader.read())
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
     try:
-        while not native_id:
-            threading.Event().wait(0.001)
-        states = []
-        for _ in range(20):
-            threading.Event().wait(0.005)
-            states.append(_thread_state(native_id[0]))
+        thread, states = _states_while(lambda: got.append(reader.read()))
         # A spinning thread is runnable whether or not it holds a core; a sleeping one is
         # in S. Allow a few samples of the other state (a switch caught mid-way).
         assert states.count(expected) >= 15, states
@@ -130,21 +137,8 @@ def test_poll_hot_stays_runnable_until_the_event_comes() -> None:
     poller = select.poll()
     poller.register(ours.fileno(), select.POLLIN)
     got: list[list[tuple[int, int]]] = []
-    native_id: list[int] = []
-
-    def wait() -> None:
-        native_id.append(threading.get_native_id())
-        got.append(framing.poll_hot(poller.poll, 5.0))
-
-    thread = threading.Thread(target=wait, daemon=True)
-    thread.start()
     try:
-        while not native_id:
-            threading.Event().wait(0.001)
-        states = []
-        for _ in range(20):
-            threading.Event().wait(0.005)
-            states.append(_thread_state(native_id[0]))
+        thread, states = _states_while(lambda: got.append(framing.poll_hot(poller.poll, 5.0)))
         assert states.count("R") >= 15, states
         theirs.sendall(b"x")
         thread.join(5.0)
