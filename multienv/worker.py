@@ -281,10 +281,9 @@ class _Loop:
                         extras[position] = Outcome(final[0], info=final[1], reset=(None, info))
                         info = {}
                 else:  # step_env's plain step, inline: on cheap envs every call counts
-                    obs, reward, terminated, truncated, info = envs[position].step(
-                        actions[next_action]
-                    )
-                    next_action += 1
+                    action = actions[next_action]
+                    next_action += 1  # before the step, which may raise
+                    obs, reward, terminated, truncated, info = envs[position].step(action)
                     check(position, obs)
             except Exception as exc:  # noqa: BLE001 - reported for this env only; siblings go on
                 extras[position] = Outcome(failure=package_failure(exc, position))

@@ -221,8 +221,10 @@ def test_env_error_in_one_env_names_it_and_its_siblings_are_neither_lost_nor_ste
         envs.reset()
         pids = [proxy.pid for proxy in envs.envs]
         envs.step(np.ones(N, dtype=np.int64))
+        actions = np.ones(N, dtype=np.int64)
+        actions[4] = 0  # the env after the raiser still gets its own action, not this one
         with pytest.raises(EnvError, match=r"env 4: .*ValueError in step\(\): boom") as caught:
-            envs.step(np.ones(N, dtype=np.int64))
+            envs.step(actions)
         assert caught.value.env_index == 4
         # The others did step: their results travel with the error, none is lost.
         obs, rewards, terminations, truncations, _ = caught.value.results
