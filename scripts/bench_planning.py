@@ -109,6 +109,9 @@ def local_pairs_per_s(factory: Callable[[], gym.Env], m: int, dt: int, seconds: 
 
 
 def multienv_pairs_per_s(envs: MultiEnv, m: int, dt: int, seconds: float) -> float:
+    # The local loop's start: env 0 just reset with seed 0. Not the envs' current state,
+    # which earlier calls moved on, into episodes that end within dt steps.
+    envs.reset(seed=0)
     states = [envs.get_states()[0]] * m
     actions = np.arange(m) % 2
     envs.step_batch(actions, states, dt=dt)
