@@ -92,6 +92,7 @@ def local_pairs_per_s(factory: Callable[[], gym.Env], m: int, dt: int, seconds: 
     is_pickled = not hasattr(env, "get_state")
     snapshot: Callable[[], Any] = (lambda: pickle.dumps(env)) if is_pickled else env.get_state
     states = [snapshot()] * m
+    actions = np.arange(m) % 2  # the actions step_batch gets: numpy integers
     pairs, began = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - began) < seconds:
         for j in range(m):
@@ -100,7 +101,7 @@ def local_pairs_per_s(factory: Callable[[], gym.Env], m: int, dt: int, seconds: 
             else:
                 env.set_state(states[j])
             for _ in range(dt):
-                _, _, terminated, truncated, _ = env.step(j % 2)
+                _, _, terminated, truncated, _ = env.step(actions[j])
                 if terminated or truncated:
                     break
             snapshot() if not is_pickled else pickle.dumps(env)
