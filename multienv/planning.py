@@ -197,37 +197,31 @@ def step_batch(
     assert states is not None
     checked = check_states(vec, states, "step_batch()")
     count = len(checked)
-    action_list = _actions(vec, actions, count)
+    action_column = _actions(vec, actions, count)
     steps = _dts(dt, count)
+    packed = pack_states(checked)  # one array for all pairs when it can be; sliced per share
     workers = vec.worker_groups()
     sizes = np.array([len(worker.env_ids) for worker in workers])
     bounds = np.round(count * np.cumsum(sizes) / sizes.sum()).astype(int)
-    shares: list[tuple[Any, list[int]]] = []
+    shares: list[tuple[Any, range]] = []
     first = 0
     for worker, last in zip(workers, bounds.tolist(), strict=True):
-        items = list(range(first, last))
+        if last > first:
+            shares.append((worker, range(first, last)))
         first = last
-        if items:
-            shares.append((worker, items))
     restarts_before = []
     for worker, items in shares:
-        positions = worker.positions
-        pairs = Pairs(
-            [positions[n % len(positions)] for n in range(len(items))],
-            pack_states([checked[j] for j in items]),
-            [action_list[j] for j in items],
-            steps[items].tolist(),
-        )
+        span = slice(items.start, items.stop)
+        pairs = Pairs(worker.positions, packed[span], action_column[span], steps[span])
         supervisor = worker.supervisor
         restarts_before.append(supervisor.stats.restarts)
-        supervisor.send_request(positions[0], Command.STEP_PAIRS, pairs, int(steps[items].sum()))
-    new_states: list[Any] = [None] * count
-    share_obs: list[Any] = []  # each share's observations, in pair order
-    rewards = np.zeros(count, dtype=np.float64)
-    terminated = np.zeros(count, dtype=np.bool_)
-    truncated = np.zeros(count, dtype=np.bool_)
-    infos: list[dict[str, Any]] = [{} for _ in range(count)]
+        supervisor.send_request(
+            worker.positions[0], Command.STEP_PAIRS, pairs, int(steps[span].sum())
+        )
+    new_states: list[Any] = []
+    parts: list[PairResults] = []
     errors: dict[int, Exception] = {}
+    replays: list[tuple[range, dict[str, Any]]] = []
     for (worker, items), before in zip(shares, restarts_before, strict=True):
         supervisor = worker.supervisor
         try:
@@ -237,13 +231,8 @@ def step_batch(
             continue
         for n, failure in results.failures.items():
             errors[items[n]] = supervisor.env_error(failure, "step_batch", failure.position)
-        span = slice(items[0], items[-1] + 1)  # a share is contiguous
-        new_states[span] = results.snapshots
-        share_obs.append(results.obs)
-        rewards[span] = results.rewards
-        terminated[span] = results.terminated
-        truncated[span] = results.truncated
-        infos[span] = results.infos
+        parts.append(results)
+        new_states.extend(results.snapshots)
         stats = supervisor.stats
         if stats.restarts != before:
             replay = {
@@ -252,21 +241,32 @@ def step_batch(
                 "restarts": stats.restarts,
                 "replayed": True,
             }
-            for j in items:
-                infos[j] = {**infos[j], "multienv": replay}
+            replays.append((items, replay))
     if errors:
         raise errors[min(errors)]
+    infos = [info for part in parts for info in part.infos]
+    for items, replay in replays:
+        for j in items:
+            infos[j] = {**infos[j], "multienv": replay}
     space = vec.single_observation_space
+    share_obs = [part.obs for part in parts]
     if isinstance(space, gym.spaces.Box) and all(isinstance(o, np.ndarray) for o in share_obs):
         obs: Any = np.concatenate(share_obs).astype(space.dtype, copy=False)  # workers stacked
     else:
         rows = [row for part in share_obs for row in part]
         buffer: Any = create_empty_array(space, count)
         obs = concatenate(space, rows, buffer)
+    rewards = np.concatenate([part.rewards for part in parts]).astype(np.float64, copy=False)
+    terminated = np.concatenate([part.terminated for part in parts]).astype(np.bool_, copy=False)
+    truncated = np.concatenate([part.truncated for part in parts]).astype(np.bool_, copy=False)
     return new_states, obs, rewards, terminated, truncated, infos
 
 
-def _actions(vec: PlanningApi, actions: Any, count: int) -> list[Any]:
+def _actions(vec: PlanningApi, actions: Any, count: int) -> np.ndarray | list[Any]:
+    """One action per pair: an array for array spaces, else a list.
+
+    An array's elements reach the envs as numpy values, as ``SyncVectorEnv`` passes them.
+    """
     space = vec.single_action_space
     if isinstance(space, _ARRAY_SPACES):
         array = np.asarray(actions)
@@ -276,9 +276,7 @@ def _actions(vec: PlanningApi, actions: Any, count: int) -> list[Any]:
                 f"step_batch() got actions of shape {array.shape}; expected {(count, *shape)} "
                 f"for {count} states."
             )
-        if isinstance(space, gym.spaces.Discrete):
-            return list(array.tolist())  # Python ints: they pickle smaller than numpy ones
-        return list(array)
+        return array
     action_list = list(actions)
     if len(action_list) != count:
         raise ValueError(f"step_batch() got {len(action_list)} actions for {count} states.")

@@ -339,17 +339,18 @@ class Pairs:
     """A worker's share of ``step_batch``, column by column (cheaper to pickle than rows).
 
     Attributes:
-        positions: Per pair, the worker's env to run it on.
+        positions: The worker's envs that run the pairs, in turn: pair n runs on
+            ``positions[n % len(positions)]``.
         snapshots: Per pair, the state to restore first, or None for the current one; one
             array when they are arrays of one shape and dtype (``pack_states``).
-        actions: Per pair, the action, repeated.
+        actions: Per pair, the action, repeated: one array for array action spaces.
         dts: Per pair, steps to repeat it for, stopping early at the episode's end.
     """
 
-    positions: list[int]
+    positions: Sequence[int]
     snapshots: list[Any] | np.ndarray
     actions: Any
-    dts: list[int]
+    dts: np.ndarray
 
 
 def pack_states(states: list[Any]) -> list[Any] | np.ndarray:
@@ -367,7 +368,7 @@ def pack_states(states: list[Any]) -> list[Any] | np.ndarray:
     for state in states:
         if type(state) is not np.ndarray or state.shape != shape or state.dtype != dtype:
             return states
-    return np.stack(states)
+    return np.array(states)  # as np.stack(states) does, in a third of the time
 
 
 @dataclasses.dataclass
@@ -378,18 +379,18 @@ class PairResults:
         snapshots: Per pair, the state reached (None where it failed); one array when they
             are arrays of one shape and dtype (``pack_states``).
         obs: Per pair, the last observation: one stacked array when they fit, else a list.
-        rewards: Per pair, the summed reward.
-        terminated: Per pair, the last step's flag.
-        truncated: Per pair, the last step's flag.
+        rewards: Per pair, the summed reward (float64).
+        terminated: Per pair, the last step's flag (bool).
+        truncated: Per pair, the last step's flag (bool).
         infos: Per pair, the last step's info.
         failures: By pair index, the env's exception.
     """
 
     snapshots: list[Any] | np.ndarray
     obs: Any
-    rewards: list[float]
-    terminated: list[bool]
-    truncated: list[bool]
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
     infos: list[dict[str, Any]]
     failures: dict[int, RemoteFailure]
 

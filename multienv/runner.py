@@ -211,19 +211,19 @@ class EnvRunner:
 
     def step_pairs(self, pairs: Pairs) -> PairResults:
         """For each pair: restore its state, repeat its action up to ``dt`` times, snapshot."""
-        count = len(pairs.positions)
-        results = PairResults(
-            [None] * count,
-            [None] * count,
-            [0.0] * count,
-            [False] * count,
-            [False] * count,
-            [{}] * count,
-            {},
-        )
-        for j, (position, snapshot, action, dt) in enumerate(
-            zip(pairs.positions, pairs.snapshots, pairs.actions, pairs.dts, strict=True)
+        count = len(pairs.dts)
+        positions, width = pairs.positions, len(pairs.positions)
+        snapshots: list[Any] = [None] * count
+        observations: list[Any] = [None] * count
+        rewards = [0.0] * count
+        terminated_flags = [False] * count
+        truncated_flags = [False] * count
+        infos: list[dict[str, Any]] = [{}] * count
+        failures: dict[int, RemoteFailure] = {}
+        for j, (snapshot, action, dt) in enumerate(
+            zip(pairs.snapshots, pairs.actions, pairs.dts, strict=True)
         ):
+            position = positions[j % width]
             try:
                 if snapshot is not None:
                     self.set_state(position, snapshot)
@@ -238,23 +238,30 @@ class EnvRunner:
                     if terminated or truncated:
                         break
                 self.check(position, obs)
-                results.snapshots[j] = self.get_state(position)
+                snapshots[j] = self.get_state(position)
             except Exception as exc:  # noqa: BLE001 - reported for this pair only
-                results.failures[j] = package_failure(exc, position)
+                failures[j] = package_failure(exc, position)
                 continue
-            results.obs[j] = obs
-            results.rewards[j] = total
-            results.terminated[j] = bool(terminated)
-            results.truncated[j] = bool(truncated)
-            results.infos[j] = info
-        if not results.failures:
-            results.snapshots = pack_states(list(results.snapshots))
-        if not results.failures and all(isinstance(o, np.ndarray) for o in results.obs):
+            observations[j] = obs
+            rewards[j] = total
+            terminated_flags[j] = bool(terminated)
+            truncated_flags[j] = bool(truncated)
+            infos[j] = info
+        obs_column: Any = observations
+        if not failures and all(isinstance(o, np.ndarray) for o in observations):
             try:
-                results.obs = np.stack(results.obs)  # one array pickles faster than many
+                obs_column = np.stack(observations)  # one array pickles faster than many
             except ValueError:
                 pass  # shapes differ (an invalid obs is caught by check())
-        return results
+        return PairResults(
+            snapshots if failures else pack_states(snapshots),
+            obs_column,
+            np.array(rewards, dtype=np.float64),
+            np.array(terminated_flags, dtype=np.bool_),
+            np.array(truncated_flags, dtype=np.bool_),
+            infos,
+            failures,
+        )
 
     def close(self) -> None:
         """Close every env that was built; errors in closing are reported on stderr."""

@@ -13,7 +13,13 @@ import pytest
 from multienv import EnvError, EnvSnapshot, MultiEnv
 from multienv.protocol import pack_states
 from tests.conftest import Layout
-from tests.envs import ArrayStateCartPole, CountingEnv, SlowReset, StatefulCartPole
+from tests.envs import (
+    ActionTypeEnv,
+    ArrayStateCartPole,
+    CountingEnv,
+    SlowReset,
+    StatefulCartPole,
+)
 
 N = 4
 
@@ -72,6 +78,8 @@ def test_step_batch_equals_stepping_a_local_copy_from_the_same_state(factory):
                     actions, pair_states, dt=dt
                 )
                 assert obs.shape == (m, 4)
+                assert rewards.dtype == np.float64
+                assert terminated.dtype == truncated.dtype == np.bool_
                 assert len(new_states) == len(infos) == m
                 for j in range(m):
                     want = local.run(pair_states[j], int(actions[j]), dt)
@@ -79,6 +87,18 @@ def test_step_batch_equals_stepping_a_local_copy_from_the_same_state(factory):
                     assert (rewards[j], terminated[j], truncated[j]) == want[1:4]
                     check.restore(new_states[j])
                     assert check.signature() == want[4]
+
+
+def test_step_batch_gives_envs_their_actions_as_sync_vector_env_gives_them():
+    sync = gym.vector.SyncVectorEnv([ActionTypeEnv] * 2)
+    sync.reset(seed=0)
+    sync.step(np.ones(2, dtype=np.int64))
+    want = sync.get_attr("action_types")
+    with MultiEnv([ActionTypeEnv] * 2) as envs:
+        envs.reset(seed=0)
+        states = envs.get_states()  # whole envs, pickled: each pair runs on a fresh copy
+        envs.step_batch(np.ones(4, dtype=np.int64), states * 2)
+        assert envs.get_attr("action_types") == want == (["int64"], ["int64"])
 
 
 def test_step_batch_dt_per_pair_stops_at_the_episodes_end():
