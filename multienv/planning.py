@@ -201,11 +201,13 @@ def step_batch(
     steps = _dts(dt, count)
     packed = pack_states(checked)  # one array for all pairs when it can be; sliced per share
     workers = vec.worker_groups()
-    sizes = np.array([len(worker.env_ids) for worker in workers])
-    bounds = np.round(count * np.cumsum(sizes) / sizes.sum()).astype(int)
+    sizes = [len(worker.env_ids) for worker in workers]
+    total = sum(sizes)
     shares: list[tuple[Any, range]] = []
-    first = 0
-    for worker, last in zip(workers, bounds.tolist(), strict=True):
+    first = envs_before = 0
+    for worker, size in zip(workers, sizes, strict=True):
+        envs_before += size
+        last = round(count * envs_before / total)
         if last > first:
             shares.append((worker, range(first, last)))
         first = last
@@ -284,6 +286,8 @@ def _actions(vec: PlanningApi, actions: Any, count: int) -> np.ndarray | list[An
 
 
 def _dts(dt: Any, count: int) -> np.ndarray:
+    if type(dt) is int and dt >= 1:  # the usual call, checked in a tenth of the time
+        return np.full(count, dt)
     steps = np.asarray(dt)
     if steps.ndim == 0:
         steps = np.full(count, steps)

@@ -352,6 +352,11 @@ class Pairs:
     actions: Any
     dts: np.ndarray
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle the arrays as raw bytes (``_flatten``)."""
+        fields = (self.positions, self.snapshots, self.actions, self.dts)
+        return _rebuild_pairs, _flatten(fields)
+
 
 def pack_states(states: list[Any]) -> list[Any] | np.ndarray:
     """States as one array when they are numpy arrays of one shape and dtype, else as given.
@@ -393,6 +398,43 @@ class PairResults:
     truncated: np.ndarray
     infos: list[dict[str, Any]]
     failures: dict[int, RemoteFailure]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle the arrays as raw bytes (``_flatten``)."""
+        fields = (self.snapshots, self.obs, self.rewards, self.terminated, self.truncated)
+        return _rebuild_results, (*_flatten(fields), self.infos, self.failures)
+
+
+# Numpy's own pickling of an array costs 2 to 4 µs each way, most of it in Python; a pair
+# share has three arrays and its results five. Their raw bytes cost a tenth of that.
+_RAW_KINDS = frozenset("biufc")  # bool, ints, floats, complex: bytes, dtype and shape say all
+_ARRAY = "multienv.raw_array"
+
+
+def _flatten(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Each plain numpy array as ``(_ARRAY, bytes, dtype string, shape)``; the rest as it is."""
+    return tuple(
+        (_ARRAY, value.tobytes(), value.dtype.str, value.shape)
+        if type(value) is np.ndarray and value.dtype.kind in _RAW_KINDS
+        else value
+        for value in values
+    )
+
+
+def _unflatten(value: Any) -> Any:
+    """An array of ``_flatten`` back, writable; anything else as it is."""
+    if type(value) is tuple and len(value) == 4 and value[0] == _ARRAY:
+        _, data, dtype, shape = value
+        return np.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    return value
+
+
+def _rebuild_pairs(*values: Any) -> Pairs:
+    return Pairs(*(_unflatten(value) for value in values))
+
+
+def _rebuild_results(*values: Any) -> PairResults:
+    return PairResults(*(_unflatten(value) for value in values))
 
 
 @dataclasses.dataclass(frozen=True)
