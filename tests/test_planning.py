@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from multienv import EnvError, EnvSnapshot, MultiEnv
-from multienv.protocol import pack_states
+from multienv.protocol import PairResults, Pairs, pack_states
 from tests.conftest import Layout
 from tests.envs import (
     ActionTypeEnv,
@@ -269,3 +269,27 @@ def test_states_of_one_shape_and_dtype_travel_as_one_array():
     objects = [np.array([{}], dtype=object)] * 2
     for states in (mixed_dtype, mixed_shape, with_none, objects, [np.zeros(3)]):
         assert pack_states(states) is states
+
+
+ARRAYS = {
+    "float rows": np.arange(12.0).reshape(3, 4),
+    "strided ints": np.arange(12).reshape(3, 4)[:, ::2],
+    "big-endian": np.arange(3, dtype=">f8"),
+    "bools": np.array([True, False]),
+    "0-d": np.array(5),
+    "empty": np.zeros((2, 0)),
+    "structured": np.zeros(2, dtype=[("a", "f4"), ("b", "i2")]),
+    "objects": np.array([{}, None], dtype=object),
+    "strings": np.array(["ab", "c"]),
+}
+
+
+@pytest.mark.parametrize("array", ARRAYS.values(), ids=ARRAYS.keys())
+def test_pair_shares_and_results_pickle_their_arrays_back_equal_and_writable(array):
+    pairs = pickle.loads(pickle.dumps(Pairs((0,), array, array, array), protocol=5))
+    results = PairResults(array, array, array, array, array, [{}], {})
+    results = pickle.loads(pickle.dumps(results, protocol=5))
+    for got in (pairs.snapshots, pairs.actions, pairs.dts, results.obs, results.truncated):
+        assert (got.dtype, got.shape) == (array.dtype, array.shape)
+        np.testing.assert_array_equal(got, array)
+        assert got.flags.writeable  # a state the caller gets back may be changed in place
