@@ -199,6 +199,10 @@ def step_batch(
     count = len(checked)
     action_column = _actions(vec, actions, count)
     steps = _dts(dt, count)
+    if count == 0:  # no pairs: nothing to send
+        empty = np.zeros(0, dtype=np.bool_)
+        obs = create_empty_array(vec.single_observation_space, 0)
+        return [], obs, np.zeros(0, dtype=np.float64), empty, empty.copy(), []
     packed = pack_states(checked)  # one array for all pairs when it can be; sliced per share
     workers = vec.worker_groups()
     sizes = [len(worker.env_ids) for worker in workers]

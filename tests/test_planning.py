@@ -101,6 +101,19 @@ def test_step_batch_gives_envs_their_actions_as_sync_vector_env_gives_them():
         assert envs.get_attr("action_types") == want == (["int64"], ["int64"])
 
 
+def test_step_batch_of_no_pairs_returns_empty_results():
+    with MultiEnv([ArrayStateCartPole] * 2) as envs:
+        envs.reset(seed=0)
+        states, obs, rewards, terminated, truncated, infos = envs.step_batch(
+            np.zeros(0, dtype=np.int64), []
+        )
+        assert states == infos == []
+        assert obs.shape == (0, 4)
+        assert obs.dtype == envs.single_observation_space.dtype
+        assert rewards.shape == terminated.shape == truncated.shape == (0,)
+        assert (rewards.dtype, terminated.dtype, truncated.dtype) == (np.float64, bool, bool)
+
+
 def test_step_batch_dt_per_pair_stops_at_the_episodes_end():
     with MultiEnv([functools.partial(CountingEnv, 5)] * 2) as envs:
         envs.reset()
