@@ -200,9 +200,9 @@ def step_batch(
     action_column = _actions(vec, actions, count)
     steps = _dts(dt, count)
     if count == 0:  # no pairs: nothing to send
-        empty = np.zeros(0, dtype=np.bool_)
-        obs = create_empty_array(vec.single_observation_space, 0)
-        return [], obs, np.zeros(0, dtype=np.float64), empty, empty.copy(), []
+        no_obs = create_empty_array(vec.single_observation_space, 0)
+        no_flags = np.zeros(0, dtype=np.bool_)
+        return [], no_obs, np.zeros(0, dtype=np.float64), no_flags, no_flags.copy(), []
     packed = pack_states(checked)  # one array for all pairs when it can be; sliced per share
     workers = vec.worker_groups()
     sizes = [len(worker.env_ids) for worker in workers]
