@@ -46,6 +46,7 @@ _ARRAY_SPACES = (
     gym.spaces.MultiDiscrete,
 )
 _ALIGN = 64  # bytes; each array starts on its own cache line
+_LARGE_OBS = 16 * 1024  # bytes of one env's observation; see SlotWriter.writes_each_obs
 _ALL = slice(None)
 Path = tuple[Any, ...]
 
@@ -357,6 +358,10 @@ class SlotWriter:
             else None
         )
         self._obs = list(self._mapping.obs.items())
+        # Large observations are written one by one, each as soon as its env has stepped:
+        # written after the loop, a batch of them is read back from memory, not the cache.
+        # Small ones are written at once, in one numpy call (both measured, 16 envs a worker).
+        self.writes_each_obs = sum(array[0, 0].nbytes for _, array in self._obs) >= _LARGE_OBS
         self._is_discrete = isinstance(layout.action_space, gym.spaces.Discrete)
         self.infos = ColumnWriter(self._mapping.info_schema, self._mapping.info_cells)
 

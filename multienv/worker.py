@@ -251,13 +251,14 @@ class _Loop:
         runner = self.runner
         envs, check = runner.envs, runner.check
         columns, env_indices = writer.infos, writer.env_indices
+        writes_each_obs = writer.writes_each_obs
         actions = writer.read_actions(
             [position for position, flags in items if not flags & IS_RESET]
         )
         extras: dict[int, Outcome] = {}
         resets: set[int] = set()
         done_positions: list[int] = []
-        observations: list[Any] = []  # by done position, written after the loop
+        observations: list[Any] = []  # small ones, by done position, written after the loop
         slots: list[int] = []
         rewards: list[Any] = []
         reward: Any
@@ -300,13 +301,17 @@ class _Loop:
             if flags & IS_KEEP_NP_RANDOM and (terminated or truncated):
                 outcome = extras.setdefault(position, Outcome())
                 outcome.np_random = np_random_or_none(envs[position])
-            observations.append(obs)
-            slots.append(slot_of(flags))
+            if writes_each_obs:  # while it is in the cache
+                writer.write_obs(position, slot_of(flags), obs)
+            else:
+                observations.append(obs)
+                slots.append(slot_of(flags))
             done_positions.append(position)
             rewards.append(reward)
             terminations.append(terminated)
             truncations.append(truncated)
-        writer.write_many_obs(done_positions, slots, observations)
+        if not writes_each_obs:
+            writer.write_many_obs(done_positions, slots, observations)
         writer.write_results(done_positions, rewards, terminations, truncations)
         schemas = columns.take_pending() if columns.pending else None
         if not extras and schemas is None:

@@ -97,6 +97,38 @@ class DictObsEnv(gym.Env):
         return {"position": self.position.copy(), "mode": int(self.t % 3)}
 
 
+class FrameObsEnv(DictObsEnv):
+    """DictObsEnv's dynamics seen as a 16 KiB frame: observations large enough that workers
+    write each one as soon as its env has stepped (``SlotWriter.writes_each_obs``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observation_space = gym.spaces.Box(0, 255, shape=(64, 64, 4), dtype=np.uint8)
+
+    def _obs(self) -> Any:
+        frame = np.full((64, 64, 4), int(abs(self.position[0]) * 50) % 256, dtype=np.uint8)
+        frame[self.t % 64] = int(abs(self.position[1]) * 50) % 256
+        return frame
+
+
+class FrameDictObsEnv(FrameObsEnv):
+    """FrameObsEnv's frame beside DictObsEnv's observation, in one Dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        frame_space = self.observation_space
+        self.observation_space = gym.spaces.Dict(
+            {
+                "frame": frame_space,
+                "position": gym.spaces.Box(-10, 10, shape=(2,), dtype=np.float64),
+                "mode": gym.spaces.Discrete(3),
+            }
+        )
+
+    def _obs(self) -> Any:
+        return {"frame": super()._obs(), **DictObsEnv._obs(self)}
+
+
 class SlowInitEnv(CountingEnv):
     """Takes ``delay_s`` seconds to construct."""
 

@@ -32,6 +32,8 @@ from tests.envs import (
     ActionTypeEnv,
     CountingEnv,
     DictObsEnv,
+    FrameDictObsEnv,
+    FrameObsEnv,
     HangOnStep,
     RaiseOnStep,
     SegfaultEveryStep,
@@ -93,7 +95,11 @@ def test_env_i_lives_in_worker_i_floor_k_and_pid_names_its_process(layout):
 
 
 @layouts_and_modes
-@pytest.mark.parametrize("factory", [cartpole, DictObsEnv, TextObsEnv], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "factory",
+    [cartpole, DictObsEnv, TextObsEnv, FrameObsEnv, FrameDictObsEnv],
+    ids=lambda f: f.__name__,
+)
 def test_matches_sync_vector_env_step_by_step(layout, mode, factory):
     ended = run_side_by_side(factory, mode, steps=200, num_envs=N, seed=11, **layout.options)
     assert ended > N

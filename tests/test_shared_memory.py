@@ -11,6 +11,7 @@ import pytest
 
 from multienv.framing import DONE_OK, DONE_RECORD
 from multienv.shared_memory import BatchLayout, SharedBatch, SlotWriter
+from tests.envs import FrameDictObsEnv, FrameObsEnv
 
 _OBS = gym.spaces.Dict(
     {
@@ -116,3 +117,20 @@ def test_a_whole_vector_step_and_a_partial_one_both_return_the_newest_observatio
     np.testing.assert_array_equal(got["image"][0], first[0]["image"])
     assert len(set(shared.slot.tolist())) == 1
     del writers
+
+
+def test_workers_write_large_observations_one_by_one_and_small_ones_at_once() -> None:
+    """The layout tests' frame envs (16 KiB) take the one-by-one path; CartPole's do not."""
+    for space, is_large in [
+        (FrameObsEnv().observation_space, True),
+        (FrameDictObsEnv().observation_space, True),
+        (gym.make("CartPole-v1").observation_space, False),
+        (_OBS, False),
+    ]:
+        batch = SharedBatch(space, _ACTION, 2, [[0]])
+        try:
+            writer = writer_for(batch, 0, [0, 1])
+            assert writer.writes_each_obs is is_large, space
+            del writer
+        finally:
+            batch.close()
