@@ -98,8 +98,11 @@ class DictObsEnv(gym.Env):
 
 
 class FrameObsEnv(DictObsEnv):
-    """DictObsEnv's dynamics seen as a 16 KiB frame: observations large enough that workers
-    write each one as soon as its env has stepped (``SlotWriter.writes_each_obs``)."""
+    """DictObsEnv's dynamics seen as a 16 KiB frame.
+
+    Observations this large are written by the worker one by one, each as soon as its env
+    has stepped (``SlotWriter.writes_each_obs``).
+    """
 
     def __init__(self) -> None:
         super().__init__()
