@@ -272,20 +272,19 @@ class _Loop:
                     obs, info = envs[position].reset()
                     check(position, obs)
                     reward, terminated, truncated = 0.0, False, False
-                elif flags & IS_AUTORESET:  # same-step autoreset: may reset it too
-                    action = actions[next_action]
-                    next_action += 1
-                    obs, reward, terminated, truncated, info, final = step_env(
-                        envs[position], position, action, True, check
-                    )
-                    if final is not None:  # the slot gets the new episode's first obs
-                        extras[position] = Outcome(final[0], info=final[1], reset=(None, info))
-                        info = {}
-                else:  # step_env's plain step, inline: on cheap envs every call counts
+                else:
                     action = actions[next_action]
                     next_action += 1  # before the step, which may raise
-                    obs, reward, terminated, truncated, info = envs[position].step(action)
-                    check(position, obs)
+                    if flags & IS_AUTORESET:  # same-step autoreset: may reset it too
+                        obs, reward, terminated, truncated, info, final = step_env(
+                            envs[position], position, action, True, check
+                        )
+                        if final is not None:  # the slot gets the new episode's first obs
+                            extras[position] = Outcome(final[0], info=final[1], reset=(None, info))
+                            info = {}
+                    else:  # step_env's plain step, inline: on cheap envs every call counts
+                        obs, reward, terminated, truncated, info = envs[position].step(action)
+                        check(position, obs)
             except Exception as exc:  # noqa: BLE001 - reported for this env only; siblings go on
                 extras[position] = Outcome(failure=package_failure(exc, position))
                 if flags & IS_INFO_COLUMNS:
