@@ -262,9 +262,9 @@ def step_batch(
         rows = [row for part in share_obs for row in part]
         buffer: Any = create_empty_array(space, count)
         obs = concatenate(space, rows, buffer)
-    rewards = np.concatenate([part.rewards for part in parts]).astype(np.float64, copy=False)
-    terminated = np.concatenate([part.terminated for part in parts]).astype(np.bool_, copy=False)
-    truncated = np.concatenate([part.truncated for part in parts]).astype(np.bool_, copy=False)
+    rewards = np.concatenate([part.rewards for part in parts])  # float64, as the workers send
+    terminated = np.concatenate([part.terminated for part in parts])
+    truncated = np.concatenate([part.truncated for part in parts])
     return new_states, obs, rewards, terminated, truncated, infos
 
 
