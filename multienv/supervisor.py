@@ -63,6 +63,19 @@ from multienv.worker_stats import WorkerStats
 logger = logging.getLogger(__name__)
 
 
+def batch_deadline(
+    num_steps: int, num_resets: int, timeouts: tuple[float | None, float | None]
+) -> float | None:
+    """When steps and resets must be done, given the (step, reset) timeouts; None: never."""
+    budget = 0.0
+    for count, timeout in zip((num_steps, num_resets), timeouts, strict=True):
+        if count:
+            if timeout is None:
+                return None
+            budget += count * timeout
+    return time.monotonic() + budget if budget else None
+
+
 @dataclasses.dataclass
 class _Pending:
     """The call in flight on a worker."""
@@ -119,8 +132,7 @@ class WorkerSupervisor:
         self._ledger = RestartLedger(
             restart_policy if restart_policy is not None else RestartPolicy(), self.env_indices
         )
-        self._step_timeout = step_timeout
-        self._reset_timeout = reset_timeout
+        self._timeouts = (step_timeout, reset_timeout)
         self._init_timeout = init_timeout
         self._restart_on_error = restart_on_error
         self._close_timeout_s = close_timeout_s
@@ -230,7 +242,7 @@ class WorkerSupervisor:
             batch = self._recycler.before(batch)
         sent, sent_items, lost = self._cuts.split(batch)
         num_resets = int(np.count_nonzero(sent.is_reset))
-        deadline = self._batch_deadline(len(sent.positions) - num_resets, num_resets)
+        deadline = batch_deadline(len(sent.positions) - num_resets, num_resets, self._timeouts)
         self._pending = _Pending(batch, sent, sent_items, lost, None, deadline, time.perf_counter())
         if len(sent.positions):
             self.handle.submit_batch(sent)
@@ -251,10 +263,10 @@ class WorkerSupervisor:
             self.submit(plan.batch(env_slice))
             return
         deadline = None
-        if self._step_timeout is not None or self._reset_timeout is not None:
+        if self._timeouts != (None, None):
             num_resets = int(np.count_nonzero(plan.is_reset[env_slice]))
             num_steps = env_slice.stop - env_slice.start - num_resets
-            deadline = self._batch_deadline(num_steps, num_resets)
+            deadline = batch_deadline(num_steps, num_resets, self._timeouts)
         pending = self._planned  # reused: this runs for every worker on every step
         pending.batch = pending.sent = None
         pending.plan, pending.plan_slice, pending.deadline = plan, env_slice, deadline
@@ -364,7 +376,7 @@ class WorkerSupervisor:
         request = Request(command, position, payload)
         if self._recycler is not None:
             self._recycler.forget_end_rngs()  # the call may draw from a generator
-        deadline = self._batch_deadline(steps, 0) if steps else None
+        deadline = batch_deadline(steps, 0, self._timeouts) if steps else None
         self._pending = _Pending(None, None, None, {}, request, deadline, time.perf_counter())
         self.handle.submit(request)
 
@@ -400,15 +412,6 @@ class WorkerSupervisor:
         return self._cuts.last_obs(position)
 
     # ----------------------------------------------------------------- internals
-
-    def _batch_deadline(self, num_steps: int, num_resets: int) -> float | None:
-        budget = 0.0
-        for count, timeout in ((num_steps, self._step_timeout), (num_resets, self._reset_timeout)):
-            if count:
-                if timeout is None:
-                    return None
-                budget += count * timeout
-        return time.monotonic() + budget if budget else None
 
     def _note(
         self,
@@ -475,9 +478,8 @@ class WorkerSupervisor:
 
     def _discard_pending(self) -> None:
         pending = self._pending
+        assert pending is not None
         logger.debug("env %d: discarding an interrupted call", self.env_indices[0])
-        if pending is None:
-            return
         if pending.batch is not None or pending.plan is not None:
             self.finish()
             return
