@@ -703,3 +703,20 @@ class BigFrameEnv(CountingEnv):
     def _obs(self) -> np.ndarray:
         self.frame[self.count % 210] = self.count % 256
         return self.frame.copy()
+
+
+class SegfaultOnceFrameEnv(BigFrameEnv):
+    """A BigFrameEnv that segfaults on step ``at_count`` once, as SegfaultOnceOnStep does.
+
+    Its worker mates have written their frames of that step (one by one, as large
+    observations are) when it dies.
+    """
+
+    def __init__(self, marker: str, at_count: int = 3) -> None:
+        super().__init__()
+        self.marker, self.at_count = marker, at_count
+
+    def step(self, action):
+        if self.count + 1 == self.at_count and _crash_once(self.marker):
+            segfault()
+        return super().step(action)

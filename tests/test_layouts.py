@@ -30,6 +30,7 @@ from multienv import (
 from tests.conftest import Layout, live_workers
 from tests.envs import (
     ActionTypeEnv,
+    BigFrameEnv,
     CountingEnv,
     DictObsEnv,
     FrameDictObsEnv,
@@ -37,6 +38,7 @@ from tests.envs import (
     HangOnStep,
     RaiseOnStep,
     SegfaultEveryStep,
+    SegfaultOnceFrameEnv,
     SegfaultOnceOnStep,
     SleepyEnv,
     SlowReset,
@@ -200,6 +202,32 @@ def test_segfault_in_one_env_truncates_its_worker_mates(layout, tmp_path):
         for _ in range(100):
             envs.step(np.ones(N, dtype=np.int64))
         assert [row["restarts"] for row in envs.stats()] == [int(i in victims) for i in range(N)]
+
+
+@pytest.mark.fault
+@layouts
+def test_a_worker_dying_mid_step_after_writing_some_large_frames_returns_the_seen_ones(
+    layout, tmp_path
+):
+    marker = str(tmp_path / "segv")
+    fns = [BigFrameEnv] * N
+    fns[5] = functools.partial(SegfaultOnceFrameEnv, marker, at_count=3)  # last of its worker
+    local = BigFrameEnv()
+    local.reset()
+    with MultiEnv(fns, **layout.options) as envs:
+        envs.reset()
+        victims = worker_of(envs, 5)
+        for _ in range(2):
+            seen, *_ = envs.step(np.ones(N, dtype=np.int64))
+            want, *_ = local.step(1)
+        obs, _, _, truncations, _ = envs.step(np.ones(N, dtype=np.int64))
+        want, *_ = local.step(1)
+        assert np.flatnonzero(truncations).tolist() == victims
+        # The victims' frames are the ones the caller saw, not the ones mates wrote meanwhile.
+        np.testing.assert_array_equal(obs[victims], seen[victims])
+        for i in range(N):
+            if i not in victims:
+                np.testing.assert_array_equal(obs[i], want, err_msg=f"env {i}")
 
 
 @pytest.mark.fault
