@@ -7,7 +7,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -92,57 +92,62 @@ def _states_while(wait: Callable[[], None]) -> tuple[threading.Thread, list[str]
     return thread, states
 
 
+@pytest.fixture
+def sockets() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected pair: ours (read, polled) and theirs (written); both closed afterwards."""
+    ours, theirs = socket.socketpair()
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
 @pytest.mark.parametrize(("spin_s", "expected"), [(5.0, "R"), (0.0, "S")])
 def test_a_spinning_reader_stays_runnable_while_it_waits_and_a_plain_one_sleeps(
-    spin_s: float, expected: str
+    sockets: tuple[socket.socket, socket.socket], spin_s: float, expected: str
 ) -> None:
     """Hot mode's wait: the reader polls (runnable, yielding) rather than blocking in read."""
-    ours, theirs = socket.socketpair()
+    ours, theirs = sockets
     reader = framing.MessageReader(ours.fileno(), spin_s=spin_s)
     got: list[bytes] = []
-    try:
-        thread, states = _states_while(lambda: got.append(reader.read()))
-        # A spinning thread is runnable whether or not it holds a core; a sleeping one is
-        # in S. Allow a few samples of the other state (a switch caught mid-way).
-        assert states.count(expected) >= 15, states
-        theirs.sendall(framing.frame(b"done"))
-        thread.join(5.0)
-        assert got == [b"done"]
-    finally:
-        ours.close()
-        theirs.close()
+    thread, states = _states_while(lambda: got.append(reader.read()))
+    # A spinning thread is runnable whether or not it holds a core; a sleeping one is
+    # in S. Allow a few samples of the other state (a switch caught mid-way).
+    assert states.count(expected) >= 15, states
+    theirs.sendall(framing.frame(b"done"))
+    thread.join(5.0)
+    assert got == [b"done"]
 
 
-def test_poll_hot_returns_the_first_events_and_gives_up_empty_after_spin_s() -> None:
+def _poller_of(sock: socket.socket) -> select.poll:
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return poller
+
+
+def test_poll_hot_returns_the_first_events_and_gives_up_empty_after_spin_s(
+    sockets: tuple[socket.socket, socket.socket],
+) -> None:
     """The parent's hot wait: it polls until something comes, or for spin_s at most."""
-    ours, theirs = socket.socketpair()
-    poller = select.poll()
-    poller.register(ours.fileno(), select.POLLIN)
-    try:
-        began = time.perf_counter()
-        assert framing.poll_hot(poller.poll, 0.05) == []
-        assert time.perf_counter() - began >= 0.05
-        began = time.perf_counter()
-        assert framing.poll_hot(poller.poll, 0.0) == []  # 0: one look, no spin
-        assert time.perf_counter() - began < 0.05
-        theirs.sendall(b"x")
-        assert framing.poll_hot(poller.poll, 5.0) == [(ours.fileno(), select.POLLIN)]
-    finally:
-        ours.close()
-        theirs.close()
+    ours, theirs = sockets
+    poller = _poller_of(ours)
+    began = time.perf_counter()
+    assert framing.poll_hot(poller.poll, 0.05) == []
+    assert time.perf_counter() - began >= 0.05
+    began = time.perf_counter()
+    assert framing.poll_hot(poller.poll, 0.0) == []  # 0: one look, no spin
+    assert time.perf_counter() - began < 0.05
+    theirs.sendall(b"x")
+    assert framing.poll_hot(poller.poll, 5.0) == [(ours.fileno(), select.POLLIN)]
 
 
-def test_poll_hot_stays_runnable_until_the_event_comes() -> None:
-    ours, theirs = socket.socketpair()
-    poller = select.poll()
-    poller.register(ours.fileno(), select.POLLIN)
+def test_poll_hot_stays_runnable_until_the_event_comes(
+    sockets: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = sockets
+    poller = _poller_of(ours)
     got: list[list[tuple[int, int]]] = []
-    try:
-        thread, states = _states_while(lambda: got.append(framing.poll_hot(poller.poll, 5.0)))
-        assert states.count("R") >= 15, states
-        theirs.sendall(b"x")
-        thread.join(5.0)
-        assert got == [[(ours.fileno(), select.POLLIN)]]
-    finally:
-        ours.close()
-        theirs.close()
+    thread, states = _states_while(lambda: got.append(framing.poll_hot(poller.poll, 5.0)))
+    assert states.count("R") >= 15, states
+    theirs.sendall(b"x")
+    thread.join(5.0)
+    assert got == [[(ours.fileno(), select.POLLIN)]]
