@@ -7,12 +7,13 @@ of message travel:
 - a pickled ``protocol.Request`` (plain ``pickle``; multiprocessing's own ``send`` builds a
   ForkingPickler per message and reads twice, which together cost more than a CartPole
   step), answered by a pickled ``protocol.Reply``;
-- a fast batch: ``bytes([FAST_BATCH, seq])`` then one ``FAST_ITEM`` (position, flags) per
-  env. Its actions and observations travel in the vector's shared memory. Its first byte
-  is below 0x80, which no pickle of protocol 2 or later starts with. The worker answers
-  with one ``DONE_RECORD`` on its group's done pipe; ``DONE_REPLY`` means a pickled
-  ``Reply`` follows on the worker's own pipe (infos, final observations, errors). ``seq``
-  (1 to 255) tells a late record of a killed worker from the answer to the current batch.
+- a fast batch: ``bytes([FAST_BATCH, seq])`` (``FAST_BATCH_COUNTED`` for one of a round's
+  batches) then one ``FAST_ITEM`` (position, flags) per env. Its actions and observations
+  travel in the vector's shared memory. Its first byte is below 0x80, which no pickle of
+  protocol 2 or later starts with. The worker answers with one ``DONE_RECORD`` through its
+  group's done pipes (``done_pipes``); ``DONE_REPLY`` means a pickled ``Reply`` follows on
+  the worker's own pipe (infos, final observations, errors). ``seq`` (1 to 255) tells a
+  late record of a killed worker from the answer to the current batch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 FAST_BATCH = 0x01
+FAST_BATCH_COUNTED = 0x02  # a fast batch of a round: only the round's last worker wakes
 FAST_ITEM = struct.Struct("<HB")  # position, flags
 ITEM_DTYPE = np.dtype([("position", "<u2"), ("flags", "u1")])  # FAST_ITEM, as numpy
 IS_RESET, IS_AUTORESET, IS_SLOT_1, IS_KEEP_NP_RANDOM = 1, 2, 4, 8  # the flags of a FAST_ITEM
@@ -91,9 +93,13 @@ def encode_items(
     return items.tobytes()
 
 
-def fast_batch_frame(seq: int, items: bytes | memoryview) -> bytes:
-    """The framed request for a fast batch whose items ``encode_items`` made."""
-    return b"".join((_HEADER.pack(len(items) + 2), bytes((FAST_BATCH, seq)), items))
+def fast_batch_frame(seq: int, items: bytes | memoryview, is_counted: bool = False) -> bytes:
+    """The framed request for a fast batch whose items ``encode_items`` made.
+
+    ``is_counted``: it is one of a round's batches (``done_pipes``).
+    """
+    kind = FAST_BATCH_COUNTED if is_counted else FAST_BATCH
+    return b"".join((_HEADER.pack(len(items) + 2), bytes((kind, seq)), items))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,6 +114,9 @@ class SharedMemoryHandle(WorkerHandle, Protocol):
     def collect_planned(self, deadline: float | None) -> BatchResult | Death | None:
         """Wait for this worker's part of a plan: None when everything is in shared memory."""
 
+    def leave_round(self) -> None:
+        """This worker's part of a counted plan goes as a general batch, or not at all."""
+
 
 class VectorLink(Protocol):
     """What a vector shares with its workers: at least a multi-wait."""
@@ -146,8 +149,14 @@ class SharedMemoryLink(VectorLink, Protocol):
     def observations(self, env_ids: Sequence[int] | None, copy: bool) -> Any:
         """The batched observations of ``env_ids`` (all envs when None)."""
 
-    def plan_step(self, actions: Any, is_reset: np.ndarray, autoreset: bool) -> StepPlan | None:
-        """Prepare a whole step for every env at once, or None if this link cannot."""
+    def plan_step(
+        self, actions: Any, is_reset: np.ndarray, autoreset: bool, is_counted: bool = False
+    ) -> StepPlan | None:
+        """Prepare a whole step for every env at once, or None if this link cannot.
+
+        ``is_counted``: every worker will get its slice and be collected before the vector
+        returns (``StepPlan.is_counted``).
+        """
 
     def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Finish ``index`` of a plan whose workers all came back clean.

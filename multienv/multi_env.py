@@ -411,7 +411,8 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
 
         if self._can_plan and isinstance(batch_actions, np.ndarray):
             assert self._plan_link is not None
-            plan = self._plan_link.plan_step(batch_actions, resets, is_same_step)
+            is_counted = not self._is_limited()  # every worker, collected at once
+            plan = self._plan_link.plan_step(batch_actions, resets, is_same_step, is_counted)
             if plan is not None:
                 self._plan = plan
                 return lambda worker: plan

@@ -91,6 +91,7 @@ class ProcessHandle:
         self._reaped: list[threading.Event] = []  # set when a retired worker is gone
         self._seat = WorkerSeat(None, -1, [])  # its place in a vector (SubprocessLink's)
         self._notify_seq = 0  # the in-flight fast batch's seq; 0 when its reply is a message
+        self._is_counted = False  # the in-flight batch is one of a round's (``done_pipes``)
 
     @property
     def pid(self) -> int | None:
@@ -215,6 +216,7 @@ class ProcessHandle:
     def submit(self, request: Request) -> None:
         """Send one pickled call; a dead worker is noticed by ``collect``."""
         self._notify_seq = 0
+        self._is_counted = False
         self._send(frame(encode(request)))
 
     def collect(self, deadline: float | None) -> Reply | Death:
@@ -224,14 +226,34 @@ class ProcessHandle:
     def submit_batch(self, batch: Batch) -> None:
         """Send a batch: as a few bytes when everything fits in shared memory, else pickled."""
         message, self._notify_seq = self._seat.batch_frame(batch)
+        self._is_counted = False
         self._send(message)
 
     def submit_planned(self, plan: StepPlan, env_slice: slice) -> None:
-        """Send this worker's slice of a planned step: its items were encoded for all envs."""
+        """Send this worker's slice of a planned step: its items were encoded for all envs.
+
+        In a round (``plan.is_counted``), its batch is counted when its group has others.
+        """
         seat = self._seat
-        message = seat.planned_frame(plan, env_slice)
+        assert seat.shared is not None
+        done, process = seat.shared.done, self._process
+        is_counted = plan.is_counted and done.is_counted(seat.worker_index)
+        if is_counted:
+            if process is None:  # no worker to take a token: give it up now
+                done.leave_round(seat.worker_index)
+                is_counted = False
+            else:
+                done.join_round(seat.worker_index, process.sentinel)
+        message = seat.planned_frame(plan, env_slice, is_counted)
         self._notify_seq = seat.seq
+        self._is_counted = is_counted
         self._send(message)
+
+    def leave_round(self) -> None:
+        """This worker's part of a round goes as a general batch, or not at all (``done_pipes``)."""
+        seat = self._seat
+        if seat.shared is not None:
+            seat.shared.done.leave_round(seat.worker_index)
 
     def collect_planned(self, deadline: float | None) -> BatchResult | Death | None:
         """Wait for this worker's slice of a plan: None when all of it is in shared memory."""
@@ -318,9 +340,10 @@ class ProcessHandle:
     def _receive(self, deadline: float | None) -> Reply | Death:
         """Wait for one reply or the worker's death, whichever comes first, up to ``deadline``.
 
-        The reply to a fast batch is its DONE record on the shared done pipe; every wait also
-        drains that pipe, since the records of the vector's other workers arrive there too,
-        and they are noted for when their workers are collected.
+        The reply to a fast batch is its DONE record (``done_pipes``); every wait also reads
+        the group's records, since the records of the vector's other workers arrive there
+        too, and they are noted for when their workers are collected. A wait for one of a
+        round's batches also watches the round's other workers (``_wait_in_round``).
         """
         process, seat = self._process, self._seat
         shared = seat.shared
@@ -330,17 +353,25 @@ class ProcessHandle:
             return Death("unknown")
         seq = self._notify_seq
         worker_index, done_read = seat.worker_index, seat.done_read
+        done = None if shared is None else shared.done
         while True:
-            if seq and shared is not None and shared.done_seq[worker_index] == seq:
-                shared.done_seq[worker_index] = 0
+            if seq and done is not None and done.done_seq[worker_index] == seq:
+                done.done_seq[worker_index] = 0
                 self._notify_seq = 0  # a late record of this batch must not answer a later one
-                if shared.done_kind[worker_index] == DONE_OK:
+                if done.done_kind[worker_index] == DONE_OK:
                     return _DONE_OK_REPLY
                 seq = 0  # the reply follows on our own pipe
             try:
                 events = poll_hot(self._poller.poll, self._spin_s) if self._spin_s else []
                 if not events:
-                    events = self._poller.poll(poll_ms(deadline, time.monotonic()))
+                    timeout_ms = poll_ms(deadline, time.monotonic())
+                    if seq and self._is_counted and done is not None:
+                        done.drain(done_read)  # a record in the quiet pipe wakes no one
+                        if done.done_seq[worker_index] == seq:
+                            continue
+                        events = self._wait_in_round(timeout_ms)
+                    else:
+                        events = self._poller.poll(timeout_ms)
             except (OSError, ValueError):
                 events = [(process.sentinel, 0)]  # close() on another thread closed the pipe
             if self._is_closing.is_set():
@@ -348,9 +379,17 @@ class ProcessHandle:
                     f"env {self._env_index}: closed while a call was waiting."
                 )
             fds = [fd for fd, _ in events]
-            if shared is not None and done_read in fds:
-                shared.drain(done_read)
-                fds.remove(done_read)
+            is_timeout = not fds
+            if done is not None and (is_timeout or done_read in fds):
+                done.drain(done_read)  # on a timeout too: a round's record may be in
+                if done_read in fds:
+                    fds.remove(done_read)
+                if seq and done.done_seq[worker_index] == seq:
+                    continue  # answered: taken at the top
+                if not fds and not is_timeout:
+                    continue  # records of other workers only
+            if self._is_counted and fds:
+                fds = self._note_deaths_in_round(fds, process.sentinel)
                 if not fds:
                     continue
             if self._fd in fds:
@@ -367,12 +406,49 @@ class ProcessHandle:
                 )
                 process.kill()
                 process.join(5.0)
+                self._leave_round_dead()
                 return Death("timeout")
             process.join(1.0)
             if process.is_alive():
                 process.kill()
                 process.join(5.0)
+            self._leave_round_dead()
             return Death(_describe_exit(process.exitcode))
+
+    def _wait_in_round(self, timeout_ms: int | None) -> list[tuple[int, int]]:
+        """Sleep on the worker, its group's done pipe and the deaths of its round's others.
+
+        A worker of the round that dies takes no token, so the one that finishes last may
+        take one and wake no one; seeing the death, the parent gives its token up instead.
+        """
+        seat, process = self._seat, self._process
+        assert seat.shared is not None
+        assert process is not None
+        poller = select.poll()
+        for fd in (self._fd, process.sentinel, seat.done_read):
+            poller.register(fd, select.POLLIN)
+        for fd in seat.shared.done.round_sentinels(seat.worker_index):
+            poller.register(fd, select.POLLIN)
+        events: list[tuple[int, int]] = poller.poll(timeout_ms)
+        return events
+
+    def _note_deaths_in_round(self, fds: list[int], sentinel: int) -> list[int]:
+        """Give up the tokens of the round's other workers whose death ``fds`` show."""
+        seat = self._seat
+        assert seat.shared is not None
+        done = seat.shared.done
+        for fd in fds:
+            if fd not in (self._fd, sentinel):
+                done.leave_round(seat.worker_index, sentinel=fd)
+        return [fd for fd in fds if fd in (self._fd, sentinel)]
+
+    def _leave_round_dead(self) -> None:
+        """The worker died in a round: give its token up (a second one costs one wake-up)."""
+        if self._is_counted and self._seat.shared is not None and self._process is not None:
+            self._is_counted = False
+            self._seat.shared.done.leave_round(
+                self._seat.worker_index, sentinel=self._process.sentinel
+            )
 
 
 def _describe_exit(exitcode: int | None) -> str:

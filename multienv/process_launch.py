@@ -39,8 +39,9 @@ _STDERR_TAIL_LINES = 30
 _STANDBY_READY_S = 60.0  # a standby worker slower than this to build its envs is replaced
 _STANDBY_LAUNCH_S = 10.0  # stop() waits this long for a standby's launch to finish
 
-# What ``attach`` sends a worker: the ATTACH payload, the memory fd, the done fd, its pid.
-LinkPayload = tuple[Any, int, int, int]
+# What ``attach`` sends a worker: the ATTACH payload, the memory fd, its group's done pipe
+# fds (``done_pipes.DoneChannels.worker_fds``), its pid.
+LinkPayload = tuple[Any, int, tuple[int, int, int], int]
 
 
 @dataclasses.dataclass
@@ -246,7 +247,7 @@ def attach(
 
     ``is_sent``: the command was sent already (``send_attach``); wait for its ack.
     """
-    _, memory_fd, done_fd, pid = link
+    _, memory_fd, done_fds, pid = link
     if not is_sent:
         send_attach(conn, link)
     reply = receive()
@@ -254,7 +255,8 @@ def attach(
         return reply
     try:
         send_handle(conn, memory_fd, pid)
-        send_handle(conn, done_fd, pid)
+        for fd in done_fds:
+            send_handle(conn, fd, pid)
     except PIPE_ERRORS:
         pass  # the worker is dead; receive() sees its sentinel
     reply = receive()

@@ -186,6 +186,9 @@ class StepPlan:
         autoreset: Reset a finished episode in the same round trip (same-step autoreset).
         wire: The backend's prepared request data.
         num_resets: How many of ``is_reset`` are set.
+        is_counted: Every worker gets its slice, and the vector collects them all before it
+            returns: the workers' answers may be counted, so that only the last one wakes
+            the parent (a round, ``done_pipes``).
     """
 
     actions: np.ndarray
@@ -193,6 +196,7 @@ class StepPlan:
     autoreset: bool
     wire: Any = None
     num_resets: int = -1
+    is_counted: bool = False
 
     def batch(self, env_slice: slice) -> Batch:
         """The general ``Batch`` of one worker's part, for the paths that need it."""

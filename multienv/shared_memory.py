@@ -14,12 +14,9 @@ The file has no name, so nothing is left in ``/dev/shm`` whatever kills the pare
 travels to each worker over the pipe (``multiprocessing.reduction.send_handle``), again after
 every respawn, and the memory goes when the last mapping of it does.
 
-Beside the file, each group of workers that one parent thread collects has a "done" pipe
-that they write a short record to when they finish a fast batch (``framing.DONE_RECORD``).
-The parent reads all the records that are in with one read and notes them per worker
-(``SharedBatch.drain``). One pipe per thread, because a thread that read another thread's
-record would leave that thread asleep. A worker hosting k envs writes the rows of its k
-envs (``SlotWriter``), addressed by their index in the vector.
+Beside the file, the workers tell the parent that a fast batch is done through the pipes of
+``done_pipes`` (``SharedBatch.done``). A worker hosting k envs writes the rows of its k envs
+(``SlotWriter``), addressed by their index in the vector.
 
 Fixed-shape spaces only: Box, Discrete, MultiBinary, MultiDiscrete, and Dict/Tuple of them.
 Other spaces are pickled through the pipe as before (``BatchLayout.supports``).
@@ -36,7 +33,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from multienv.framing import DONE_RECORD
+from multienv.done_pipes import DoneChannels, DoneNotifier
 from multienv.info_columns import CELL_DTYPE, MAX_CELLS, SCHEMA_DTYPE, ColumnReader, ColumnWriter
 
 _ARRAY_SPACES = (
@@ -171,8 +168,8 @@ class SharedBatch:
         observation_space: The single-env observation space; see ``BatchLayout.supports``.
         action_space: The single-env action space.
         num_envs: How many envs the vector has.
-        worker_groups: The workers (by worker index) each parent thread collects, one done
-            pipe per group.
+        worker_groups: The workers (by worker index) each parent thread collects, one set of
+            done pipes per group (``done_pipes``).
         worker_of_env: Each env's worker index (default: one worker per env).
     """
 
@@ -195,23 +192,12 @@ class SharedBatch:
         self._whole = (np.zeros(num_envs, dtype=np.int8), np.ones(num_envs, dtype=np.int8))
         for slots in self._whole:
             slots.flags.writeable = False
-        num_workers = sum(len(group) for group in worker_groups)
         self.infos = ColumnReader(
             self._mapping.info_schema,
             self._mapping.info_cells,
             np.arange(num_envs) if worker_of_env is None else np.asarray(worker_of_env),
         )
-        self._done_pipes: list[tuple[int, int]] = []
-        self._done_pipe_of = [(-1, -1)] * num_workers
-        for group in worker_groups:
-            read_fd, write_fd = os.pipe()
-            os.set_blocking(read_fd, False)
-            self._done_pipes.append((read_fd, write_fd))
-            for worker_index in group:
-                self._done_pipe_of[worker_index] = (read_fd, write_fd)
-        # Per worker: the seq and kind of the last DONE record read (seq 0: none since taken).
-        self.done_seq = [0] * num_workers
-        self.done_kind = [0] * num_workers
+        self.done = DoneChannels(worker_groups)  # how the workers say a fast batch is done
 
     def next_slots(self, env_ids: Any) -> np.ndarray:
         """The slot each env's next observation goes to: never the one the caller saw last."""
@@ -238,28 +224,6 @@ class SharedBatch:
         view = self._slot.view()
         view.flags.writeable = False
         return view
-
-    def done_read(self, worker_index: int) -> int:
-        """The read end of the done pipe of that worker's group."""
-        return self._done_pipe_of[worker_index][0]
-
-    def done_write(self, worker_index: int) -> int:
-        """The write end of the done pipe of that worker's group, for the worker."""
-        return self._done_pipe_of[worker_index][1]
-
-    def drain(self, read_fd: int) -> None:
-        """Read every DONE record that is in that pipe and note it under its worker."""
-        done_seq, done_kind = self.done_seq, self.done_kind
-        while True:
-            try:
-                data = os.read(read_fd, 65536)
-            except BlockingIOError:
-                return
-            for worker_index, seq, kind in DONE_RECORD.iter_unpack(data):
-                done_seq[worker_index] = seq
-                done_kind[worker_index] = kind
-            if len(data) < 65536:
-                return
 
     @property
     def actions(self) -> np.ndarray | None:
@@ -316,9 +280,7 @@ class SharedBatch:
         self._mapping.release()
         if self.fd is not None:
             os.close(self.fd)
-            for read_fd, write_fd in self._done_pipes:
-                os.close(read_fd)
-                os.close(write_fd)
+            self.done.close()
             self.fd = None
 
 
@@ -328,8 +290,7 @@ class SlotWriter:
     Args:
         layout: The vector's layout, as the parent sent it.
         fd: The memory file, received from the parent; closed once mapped.
-        done_fd: The write end of the vector's done pipe, received from the parent; owned.
-        worker_index: This worker's place among the vector's workers, for its DONE records.
+        notifier: Sends the DONE records of the worker's fast batches (``done_pipes``).
         env_indices: The vector's index of each env of the worker, by position (-1: none).
     """
 
@@ -337,8 +298,7 @@ class SlotWriter:
         self,
         layout: BatchLayout,
         fd: int,
-        done_fd: int,
-        worker_index: int,
+        notifier: DoneNotifier,
         env_indices: Sequence[int],
     ) -> None:
         """Map the memory file."""
@@ -346,8 +306,7 @@ class SlotWriter:
             self._mapping = _Mapping(layout, fd)
         finally:
             os.close(fd)
-        self._done_fd = done_fd
-        self._worker_index = worker_index
+        self.notifier = notifier
         self.env_indices = list(env_indices)
         self._all_positions = list(range(len(self.env_indices)))
         first = self.env_indices[0] if self.env_indices else 0
@@ -429,7 +388,3 @@ class SlotWriter:
         mapping.rewards[index] = rewards
         mapping.flags[0, index] = terminations
         mapping.flags[1, index] = truncations
-
-    def notify(self, seq: int, kind: int) -> None:
-        """Tell the parent the request ``seq`` is done (``DONE_OK`` or ``DONE_REPLY``)."""
-        os.write(self._done_fd, DONE_RECORD.pack(self._worker_index, seq, kind))

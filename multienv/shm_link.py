@@ -19,6 +19,7 @@ from gymnasium.error import CustomSpaceError
 from gymnasium.vector.utils import create_shared_memory
 
 from multienv import framing
+from multienv.done_pipes import DoneChannels
 from multienv.handles import VectorLink, WorkerHandle
 from multienv.info_columns import AddInfo
 from multienv.process_handle import ProcessHandle
@@ -103,7 +104,7 @@ class SubprocessLink:
             now = time.monotonic()
             poller = select.poll()
             owner: dict[int, int] = {}
-            channels: dict[int, SharedBatch] = {}  # done pipes, drained rather than owned
+            channels: dict[int, DoneChannels] = {}  # done pipes, drained rather than owned
             ready = []
             wait_until = deadline
             for position, handle in enumerate(handles):
@@ -124,7 +125,7 @@ class SubprocessLink:
                     poller.register(fd, select.POLLIN)
                     owner[fd] = position
                 if self._shared is not None:
-                    channels[handle.done_read] = self._shared
+                    channels[handle.done_read] = self._shared.done
             if ready:
                 return ready
             if has_polled and deadline is not None and now >= deadline:
@@ -146,13 +147,20 @@ class SubprocessLink:
         assert self._shared is not None
         return self._shared.observations(env_ids, copy=copy)
 
-    def plan_step(self, actions: Any, is_reset: np.ndarray, autoreset: bool) -> StepPlan | None:
-        """Write every env's action and encode every env's item at once (array spaces only)."""
+    def plan_step(
+        self, actions: Any, is_reset: np.ndarray, autoreset: bool, is_counted: bool = False
+    ) -> StepPlan | None:
+        """Write every env's action and encode every env's item at once (array spaces only).
+
+        ``is_counted``: start a round (``done_pipes``): every worker will get its slice.
+        """
         shared, items = self._shared, self._plan_items
         if shared is None or shared.actions is None or items is None:
             return None
         if actions.dtype != shared.actions.dtype:  # the envs get the values as given
             return None
+        if is_counted:
+            shared.done.open_round()
         slots = shared.next_slots(slice(None))
         num_resets = int(np.count_nonzero(is_reset))
         if not num_resets:
@@ -166,13 +174,13 @@ class SubprocessLink:
                 if key is not None:
                     self._plain_steps[key] = encoded
             wire = framing.PlannedItems(encoded, slots)
-            return StepPlan(actions, is_reset, autoreset, wire, num_resets)
+            return StepPlan(actions, is_reset, autoreset, wire, num_resets, is_counted)
         steps = ~is_reset
         shared.actions[steps] = actions[steps]
         flags = framing.item_flags(is_reset, slots, autoreset, info_columns=True)
         encoded = framing.encode_items(None, flags, out=items)
         wire = framing.PlannedItems(encoded, slots)
-        return StepPlan(actions, is_reset, autoreset, wire, num_resets)
+        return StepPlan(actions, is_reset, autoreset, wire, num_resets, is_counted)
 
     def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Move ``index`` of a clean plan to its new slots; views of its rewards and flags."""

@@ -260,6 +260,8 @@ class WorkerSupervisor:
             or self._shm_handle is None
             or (self._recycler is not None and self._recycler.is_busy())
         ):
+            if plan.is_counted and self._shm_handle is not None:
+                self._shm_handle.leave_round()  # its answer will not be counted
             self.submit(plan.batch(env_slice))
             return
         deadline = None

@@ -29,11 +29,13 @@ from typing import Any
 import numpy as np
 
 from multienv.autoreset import step_env
+from multienv.done_pipes import DoneNotifier
 from multienv.fork_source import immortalize_and_freeze
 from multienv.framing import (
     DONE_OK,
     DONE_REPLY,
     FAST_BATCH,
+    FAST_BATCH_COUNTED,
     IS_AUTORESET,
     IS_INFO_COLUMNS,
     IS_KEEP_NP_RANDOM,
@@ -183,7 +185,7 @@ class _Loop:
         read = MessageReader(self.fd, self.spin_s).read
         while True:
             request = read()
-            if request[0] == FAST_BATCH:
+            if request[0] == FAST_BATCH or request[0] == FAST_BATCH_COUNTED:
                 self._fast_batch(request)
                 continue
             message: Request = decode(request)
@@ -212,8 +214,9 @@ class _Loop:
         layout, worker_index, env_indices = payload
         write_message(self.fd, encode(Reply()))
         memory_fd = recv_handle(self.conn)
+        done_fds = (recv_handle(self.conn), recv_handle(self.conn), recv_handle(self.conn))
         self.writer = SlotWriter(
-            layout, memory_fd, recv_handle(self.conn), worker_index, env_indices
+            layout, memory_fd, DoneNotifier(worker_index, done_fds), env_indices
         )
         write_message(self.fd, encode(Reply()))
 
@@ -313,10 +316,11 @@ class _Loop:
             writer.write_many_obs(done_positions, slots, observations)
         writer.write_results(done_positions, rewards, terminations, truncations)
         schemas = columns.take_pending() if columns.pending else None
+        is_counted = request[0] == FAST_BATCH_COUNTED
         if not extras and schemas is None:
-            writer.notify(seq, DONE_OK)
+            writer.notifier.notify(seq, DONE_OK, is_counted)
         else:
-            writer.notify(seq, DONE_REPLY)
+            writer.notifier.notify(seq, DONE_REPLY, is_counted)
             write_message(self.fd, encode_reply(Reply(extras, schemas=schemas), None, resets))
         if resets and not self.is_trimmed:
             self._trim_once()

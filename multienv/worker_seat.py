@@ -51,24 +51,24 @@ class WorkerSeat:
         first, count = (self.env_indices or [0])[0], len(self.env_indices)
         is_contiguous = count > 0 and self.env_indices == list(range(first, first + count))
         self._env_slice = slice(first, first + count) if is_contiguous else None
-        self.done_read = -1 if shared is None else shared.done_read(worker_index)
+        self.done_read = -1 if shared is None else shared.done.done_read(worker_index)
         self.seq = 0  # of the last fast batch, 1 to 255
         self._batch: Batch | None = None  # None for a planned step's slice
         self._env_ids: Any = None  # the batch's env indices (array or slice); None if pickled
         self._slots: np.ndarray | None = None  # and the slots it writes
 
     def link_payload(self, pid: int) -> LinkPayload:
-        """What ATTACH gives worker ``pid``: the payload and the two fds."""
+        """What ATTACH gives worker ``pid``: the payload, the memory fd and the done pipe fds."""
         shared = self.shared
         assert shared is not None
         assert shared.fd is not None
         payload = (shared.layout, self.worker_index, self.env_indices)
-        return payload, shared.fd, shared.done_write(self.worker_index), pid
+        return payload, shared.fd, shared.done.worker_fds(self.worker_index), pid
 
     def has_record(self, seq: int) -> bool:
         """Whether the DONE record of fast batch ``seq`` has been read already."""
         shared = self.shared
-        return bool(seq) and shared is not None and shared.done_seq[self.worker_index] == seq
+        return bool(seq) and shared is not None and shared.done.done_seq[self.worker_index] == seq
 
     def read_obs(self, position: int) -> Any:
         """The observation the env at ``position`` is on in shared memory; None if unlinked."""
@@ -119,16 +119,22 @@ class WorkerSeat:
                     batch.actions
                 )[steps]
         seq = self.seq = self.seq % 255 + 1
+        shared.done.expect(self.worker_index, seq)
         flags = framing.item_flags(is_reset, slots, batch.autoreset, batch.keep_np_randoms)
         return framing.fast_batch_frame(seq, framing.encode_items(batch.positions, flags)), seq
 
-    def planned_frame(self, plan: StepPlan, env_slice: slice) -> bytes:
-        """The message that sends this worker's slice of a planned step (its seq is ``seq``)."""
+    def planned_frame(self, plan: StepPlan, env_slice: slice, is_counted: bool) -> bytes:
+        """The message that sends this worker's slice of a planned step (its seq is ``seq``).
+
+        ``is_counted``: it is one of a round's batches (``done_pipes``).
+        """
         wire: framing.PlannedItems = plan.wire
         self._batch = None
         self._env_ids, self._slots = env_slice, wire.slots[env_slice]
-        self.seq = self.seq % 255 + 1
-        return framing.fast_batch_frame(self.seq, wire.items_of(env_slice))
+        seq = self.seq = self.seq % 255 + 1
+        assert self.shared is not None
+        self.shared.done.expect(self.worker_index, seq)
+        return framing.fast_batch_frame(seq, wire.items_of(env_slice), is_counted)
 
     def result(self, reply: Reply) -> BatchResult:
         """The result of the batch in flight, from its reply and the shared memory."""

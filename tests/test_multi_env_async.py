@@ -209,7 +209,7 @@ def test_a_late_done_record_does_not_answer_the_next_request():
         handle = envs.envs[0].supervisor.handle
         stale_seq = handle._seat.seq  # the batch just answered, as a killed worker would leave it
         envs.send(np.ones(2, dtype=np.int64))
-        done_pipe = envs._link._shared.done_write(0)  # worker 0's group
+        done_pipe = envs._link._shared.done.worker_fds(0)[0]  # worker 0's group
         os.write(done_pipe, DONE_RECORD.pack(0, stale_seq, DONE_OK))
         began = time.monotonic()
         obs, *_ = envs.recv(batch_size=1)

@@ -9,6 +9,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
+from multienv.done_pipes import DoneNotifier
 from multienv.framing import DONE_OK, DONE_RECORD
 from multienv.shared_memory import BatchLayout, SharedBatch, SlotWriter
 from tests.envs import FrameDictObsEnv, FrameObsEnv
@@ -36,13 +37,8 @@ def shared():
 def writer_for(shared: SharedBatch, worker_index: int, env_indices: list[int]) -> SlotWriter:
     layout = pickle.loads(pickle.dumps(shared.layout))  # as the worker receives it
     assert shared.fd is not None
-    return SlotWriter(
-        layout,
-        os.dup(shared.fd),
-        os.dup(shared.done_write(worker_index)),
-        worker_index,
-        env_indices,
-    )
+    fds = tuple(os.dup(fd) for fd in shared.done.worker_fds(worker_index))
+    return SlotWriter(layout, os.dup(shared.fd), DoneNotifier(worker_index, fds), env_indices)
 
 
 def test_layout_pickles_to_the_same_offsets(shared: SharedBatch) -> None:
@@ -58,9 +54,10 @@ def test_worker_rows_round_trip_to_the_parent(shared: SharedBatch) -> None:
     slots = shared.next_slots(slice(2, 4))
     writer.write_obs(1, int(slots[1]), sample)
     writer.write_results([0, 1], [0.5, -1.0], [False, True], [True, False])
-    writer.notify(7, DONE_OK)
-    shared.drain(shared.done_read(1))
-    assert (shared.done_seq[1], shared.done_kind[1]) == (7, DONE_OK)
+    shared.done.expect(1, 7)
+    writer.notifier.notify(7, DONE_OK, is_counted=False)
+    shared.done.drain(shared.done.done_read(1))
+    assert (shared.done.done_seq[1], shared.done.done_kind[1]) == (7, DONE_OK)
     shared.move_to(slice(2, 4), slots)
     got = shared.read(3)
     assert np.array_equal(got["image"], sample["image"])

@@ -1,0 +1,224 @@
+"""BOTH SIDES: how a vector's workers tell the parent that a fast batch is done.
+
+A worker that finishes a fast batch (``framing``) sends a ``DONE_RECORD``: its worker index,
+the batch's seq and ``DONE_OK`` or ``DONE_REPLY``. The records travel through pipes that the
+workers of one *group* share (the workers one parent thread collects; one set of pipes per
+group, because a thread that read another thread's record would leave that thread asleep):
+
+- the *done pipe*, which the parent sleeps on: a record written there wakes it;
+- the *quiet pipe*, which the parent only reads: a record there wakes nobody;
+- the *token pipe*, which counts the workers of a round.
+
+A vector's planned step is a *round*: each worker of a group of two or more gets a counted
+batch (``FAST_BATCH_COUNTED``), and the parent puts one token fewer than those workers in
+the group's token pipe (``DoneChannels.open_round``). A worker that finishes a counted batch
+writes its record to the quiet pipe, then takes a token; the one that finds none is the
+last, and writes its record to the done pipe as well (``DoneNotifier``). So the parent is
+woken once a step, by the last worker, not once per worker: a wake-up while another worker
+still steps takes that worker's core, or the parent's, for nothing. Any other batch writes
+its record to the done pipe at once, as every batch did before rounds.
+
+The rules that keep a round from losing its wake-up:
+
+- the parent drains stale tokens before it puts a round's in;
+- a worker of the round that will not finish a counted batch (its step falls back to a
+  general batch, or is not sent, or the worker is dead) has its token given up by the
+  parent (``leave_round``);
+- while the parent sleeps on a counted batch, it also waits on the deaths of the round's
+  other workers (``round_sentinels``), and gives a dead one's token up;
+- before each sleep on a counted batch, the parent reads the quiet pipe: a worker that took
+  a token which a dead or absent one left over has finished without waking anyone.
+
+So the last worker still stepping always finds no token, and a worker done before the
+parent gave a token up is found in the quiet pipe. A token given up twice only costs a
+wake-up more.
+
+Records are pipe data, not flags in shared memory: a pipe is ordered for every reader, so a
+record read is one whose results are all in shared memory, on any CPU. The parent keeps only
+the record of the batch it is waiting for from each worker (``expect``): a record from an
+earlier batch, in either pipe, is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+from multienv.framing import DONE_RECORD
+
+_DRAIN_BYTES = 65536
+
+
+@dataclasses.dataclass
+class _Group:
+    """The pipes of one group of workers, each a (read, write) pair, and its round."""
+
+    size: int
+    done: tuple[int, int]
+    quiet: tuple[int, int]
+    tokens: tuple[int, int]
+    sentinels: dict[int, int] = dataclasses.field(default_factory=dict)  # worker -> sentinel
+
+
+class DoneChannels:
+    """PARENT SIDE: the done, quiet and token pipes of a vector's groups, and the records read.
+
+    Args:
+        worker_groups: The worker indices of each group (one collecting thread each).
+
+    Attributes:
+        done_seq: Per worker, the seq of the awaited batch once its record is read, else 0.
+        done_kind: Per worker, the kind of that record.
+    """
+
+    def __init__(self, worker_groups: Sequence[Sequence[int]]) -> None:
+        """Open three pipes per group; the parent's read ends and the tokens never block."""
+        num_workers = sum(len(group) for group in worker_groups)
+        self._groups: list[_Group] = []
+        self._group_of: list[_Group | None] = [None] * num_workers
+        self._by_done_read: dict[int, _Group] = {}
+        for workers in worker_groups:
+            group = _Group(len(workers), os.pipe(), os.pipe(), os.pipe())
+            for read_fd in (group.done[0], group.quiet[0], group.tokens[0]):
+                os.set_blocking(read_fd, False)  # the workers' token reads too: shared flag
+            self._groups.append(group)
+            self._by_done_read[group.done[0]] = group
+            for worker_index in workers:
+                self._group_of[worker_index] = group
+        self._awaited = [0] * num_workers
+        self.done_seq = [0] * num_workers
+        self.done_kind = [0] * num_workers
+
+    def done_read(self, worker_index: int) -> int:
+        """The read end of the done pipe of that worker's group: the one to sleep on."""
+        return self._group(worker_index).done[0]
+
+    def worker_fds(self, worker_index: int) -> tuple[int, int, int]:
+        """What a worker writes and reads: its group's done and quiet write ends, token read end."""
+        group = self._group(worker_index)
+        return group.done[1], group.quiet[1], group.tokens[0]
+
+    def expect(self, worker_index: int, seq: int) -> None:
+        """The worker was sent fast batch ``seq``: only its record counts from now on."""
+        self._awaited[worker_index] = seq
+
+    def drain(self, done_read: int) -> None:
+        """Read the records in the done and quiet pipes of that group; keep the awaited ones.
+
+        The done pipe first: a worker writes to the quiet pipe before the done pipe, so one
+        pass sees every record of a round whose last record it read.
+        """
+        group = self._by_done_read[done_read]
+        self._read_records(group.done[0])
+        self._read_records(group.quiet[0])
+
+    def open_round(self) -> None:
+        """Start a round: each group of two or more workers gets one token fewer than workers."""
+        for group in self._groups:
+            group.sentinels.clear()
+            if group.size < 2:
+                continue
+            _drain(group.tokens[0])
+            os.write(group.tokens[1], bytes(group.size - 1))
+
+    def is_counted(self, worker_index: int) -> bool:
+        """Whether this worker's batch in a round is counted (its group has two or more)."""
+        return self._group(worker_index).size >= 2
+
+    def join_round(self, worker_index: int, sentinel: int) -> None:
+        """The worker was sent its counted batch; ``sentinel`` tells its death."""
+        self._group(worker_index).sentinels[worker_index] = sentinel
+
+    def round_sentinels(self, worker_index: int) -> list[int]:
+        """The sentinels of the other workers of this worker's round, still counted."""
+        sentinels = self._group(worker_index).sentinels
+        return [fd for other, fd in sentinels.items() if other != worker_index]
+
+    def leave_round(self, worker_index: int, sentinel: int | None = None) -> None:
+        """The worker will not finish its counted batch: give one token of its group up.
+
+        ``sentinel``: a death the parent saw; forget it, so it is given up once.
+        """
+        group = self._group(worker_index)
+        if sentinel is not None:
+            group.sentinels = {w: fd for w, fd in group.sentinels.items() if fd != sentinel}
+        if group.size >= 2:
+            try:
+                os.read(group.tokens[0], 1)
+            except BlockingIOError:
+                pass  # all taken: the workers still stepping each wake the parent
+
+    def worker_of_sentinel(self, worker_index: int, sentinel: int) -> int | None:
+        """Which worker of this worker's round ``sentinel`` belongs to; None if none."""
+        for other, fd in self._group(worker_index).sentinels.items():
+            if fd == sentinel:
+                return other
+        return None
+
+    def close(self) -> None:
+        """Close every pipe end the parent holds."""
+        for group in self._groups:
+            for pipe in (group.done, group.quiet, group.tokens):
+                os.close(pipe[0])
+                os.close(pipe[1])
+        self._groups = []
+
+    def _group(self, worker_index: int) -> _Group:
+        group = self._group_of[worker_index]
+        assert group is not None
+        return group
+
+    def _read_records(self, read_fd: int) -> None:
+        awaited, done_seq, done_kind = self._awaited, self.done_seq, self.done_kind
+        while True:
+            try:
+                data = os.read(read_fd, _DRAIN_BYTES)
+            except BlockingIOError:
+                return
+            for worker_index, seq, kind in DONE_RECORD.iter_unpack(data):
+                if seq == awaited[worker_index]:
+                    done_seq[worker_index] = seq
+                    done_kind[worker_index] = kind
+            if len(data) < _DRAIN_BYTES:
+                return
+
+
+class DoneNotifier:
+    """WORKER SIDE: send the records of this worker's fast batches.
+
+    Args:
+        worker_index: This worker's place among the vector's workers.
+        fds: Its group's done and quiet write ends and token read end; owned.
+    """
+
+    def __init__(self, worker_index: int, fds: tuple[int, int, int]) -> None:
+        """Keep the fds."""
+        self._worker_index = worker_index
+        self._done_fd, self._quiet_fd, self._tokens_fd = fds
+
+    def notify(self, seq: int, kind: int, is_counted: bool) -> None:
+        """Tell the parent batch ``seq`` is done; of a round's batches, only the last wakes it."""
+        record = DONE_RECORD.pack(self._worker_index, seq, kind)
+        if is_counted:
+            os.write(self._quiet_fd, record)
+            try:
+                if os.read(self._tokens_fd, 1):
+                    return  # another worker of the round is still stepping
+            except BlockingIOError:
+                pass  # the last one: wake the parent
+        os.write(self._done_fd, record)
+
+    def close(self) -> None:
+        """Close the fds."""
+        for fd in (self._done_fd, self._quiet_fd, self._tokens_fd):
+            os.close(fd)
+
+
+def _drain(read_fd: int) -> None:
+    """Read and drop whatever is in a non-blocking pipe."""
+    try:
+        while len(os.read(read_fd, _DRAIN_BYTES)) == _DRAIN_BYTES:
+            pass
+    except BlockingIOError:
+        pass

@@ -1,0 +1,184 @@
+"""The done pipes: of a round's workers, only the last to finish wakes the parent.
+
+Unit tests over real pipes, in one process: each ``DoneNotifier`` stands for a worker.
+The behaviour with real workers, killed in a round, is in ``test_layouts.py`` (every fault
+test runs with two or more workers) and at the end of this file.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import select
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from multienv import MultiEnv
+from multienv.done_pipes import DoneChannels, DoneNotifier
+from multienv.framing import DONE_OK, DONE_REPLY
+from tests.envs import SleepyEnv
+
+
+@pytest.fixture
+def channels():
+    done = DoneChannels([[0, 1, 2], [3]])
+    yield done
+    done.close()
+
+
+def notifier(channels: DoneChannels, worker_index: int) -> DoneNotifier:
+    """A worker's end, with its own copies of the fds, as a worker receives them."""
+    fds = channels.worker_fds(worker_index)
+    return DoneNotifier(worker_index, (os.dup(fds[0]), os.dup(fds[1]), os.dup(fds[2])))
+
+
+def is_woken(channels: DoneChannels, worker_index: int) -> bool:
+    """Whether the parent, asleep on the worker's group's done pipe, would wake now."""
+    poller = select.poll()
+    poller.register(channels.done_read(worker_index), select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def test_in_a_round_only_the_last_worker_to_finish_wakes_the_parent(channels):
+    workers = [notifier(channels, w) for w in range(3)]
+    for round_number in range(1, 4):  # rounds follow each other with no stale tokens
+        channels.open_round()
+        for w in range(3):
+            channels.expect(w, round_number)
+        for w in (2, 0):
+            workers[w].notify(round_number, DONE_OK, is_counted=True)
+            assert not is_woken(channels, 0)
+        workers[1].notify(round_number, DONE_REPLY, is_counted=True)
+        assert is_woken(channels, 0)
+        channels.drain(channels.done_read(0))
+        assert channels.done_seq[:3] == [round_number] * 3
+        assert channels.done_kind[:3] == [DONE_OK, DONE_REPLY, DONE_OK]
+        assert not is_woken(channels, 0)
+    for worker in workers:
+        worker.close()
+
+
+def test_a_batch_outside_a_round_wakes_the_parent_at_once(channels):
+    worker = notifier(channels, 0)
+    channels.open_round()  # tokens in the pipe do not matter to an uncounted batch
+    channels.expect(0, 9)
+    worker.notify(9, DONE_OK, is_counted=False)
+    assert is_woken(channels, 0)
+    channels.drain(channels.done_read(0))
+    assert channels.done_seq[0] == 9
+    worker.close()
+
+
+def test_a_group_of_one_worker_is_never_counted(channels):
+    assert [channels.is_counted(w) for w in range(4)] == [True, True, True, False]
+    worker = notifier(channels, 3)
+    channels.open_round()
+    channels.expect(3, 1)
+    worker.notify(1, DONE_OK, is_counted=False)
+    assert is_woken(channels, 3)
+    assert not is_woken(channels, 0)  # each group has its own pipes
+    worker.close()
+
+
+def test_a_worker_that_leaves_the_round_makes_the_others_wake_the_parent(channels):
+    workers = [notifier(channels, w) for w in range(3)]
+    channels.open_round()
+    for w in range(3):
+        channels.expect(w, 4)
+    channels.leave_round(1)  # its part went as a general batch: it answers uncounted
+    workers[0].notify(4, DONE_OK, is_counted=True)
+    assert not is_woken(channels, 0)
+    workers[2].notify(4, DONE_OK, is_counted=True)
+    assert is_woken(channels, 0)  # the last counted one
+    for worker in workers:
+        worker.close()
+
+
+def test_giving_up_more_tokens_than_the_round_has_only_wakes_the_parent_sooner(channels):
+    workers = [notifier(channels, w) for w in range(3)]
+    channels.open_round()
+    for w in range(3):
+        channels.expect(w, 2)
+        channels.leave_round(w)
+    workers[0].notify(2, DONE_OK, is_counted=True)
+    assert is_woken(channels, 0)
+    for worker in workers:
+        worker.close()
+
+
+def test_records_of_an_earlier_batch_are_dropped_from_either_pipe(channels):
+    workers = [notifier(channels, w) for w in range(3)]
+    channels.open_round()
+    for w in range(3):
+        channels.expect(w, 5)
+    workers[0].notify(5, DONE_OK, is_counted=True)  # quiet pipe
+    workers[1].notify(5, DONE_OK, is_counted=True)  # quiet pipe
+    workers[2].notify(5, DONE_OK, is_counted=True)  # both: the last
+    channels.expect(2, 6)  # the parent collected worker 2 from the quiet pipe, sent batch 6
+    channels.drain(channels.done_read(0))  # the done pipe still holds the record of batch 5
+    assert channels.done_seq[:3] == [5, 5, 0]
+    workers[2].notify(6, DONE_OK, is_counted=False)
+    channels.drain(channels.done_read(0))
+    assert channels.done_seq[2] == 6
+    for worker in workers:
+        worker.close()
+
+
+def test_a_round_sentinel_is_forgotten_once_given_up(channels):
+    channels.open_round()
+    channels.join_round(0, 100)
+    channels.join_round(1, 101)
+    assert channels.round_sentinels(0) == [101]
+    channels.leave_round(0, sentinel=101)
+    assert channels.round_sentinels(0) == []
+    channels.open_round()
+    assert channels.round_sentinels(1) == []
+
+
+# ---------------------------------------------------------------- real workers
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wait", ["sleep", "spin"])
+def test_a_worker_of_a_round_killed_while_the_parent_waits_for_another(wait):
+    # The parent waits for worker 0; worker 1 is killed, so it takes no token, and worker 0
+    # takes the round's only one when it finishes: the parent must see the death itself.
+    fns = [functools.partial(SleepyEnv, 0.6), functools.partial(SleepyEnv, 0.6)]
+    with MultiEnv(fns, envs_per_worker=1, wait=wait) as envs:
+        envs.reset(seed=0)
+        envs.step(np.ones(2, dtype=np.int64))  # its infos' columns: later answers are records
+        envs.envs[1].set_attr("slow_s", 3.0)
+        timer = threading.Timer(0.2, os.kill, (envs.envs[1].pid, signal.SIGKILL))
+        timer.start()
+        try:
+            _, _, _, truncations, infos = envs.step(np.ones(2, dtype=np.int64))
+        finally:
+            timer.cancel()
+        assert truncations.tolist() == [False, True]
+        assert infos["multienv"]["cause"][1] == "SIGKILL"
+        envs.step(np.ones(2, dtype=np.int64))
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wait", ["sleep", "spin"])
+def test_a_worker_killed_as_a_step_is_sent_leaves_its_token_to_a_mate_then_read(wait):
+    # Worker 0 is killed as the step is sent, and takes a while to be gone; worker 1 takes
+    # the round's only token meanwhile and wakes no one. The parent gives worker 0's token
+    # up too late, and must read worker 1's record from the quiet pipe.
+    fns = [functools.partial(SleepyEnv, 0.0)] * 2
+    with MultiEnv(fns, envs_per_worker=1, wait=wait) as envs:
+        envs.reset(seed=0)
+        envs.step(np.ones(2, dtype=np.int64))  # its infos' columns: later answers are records
+        os.kill(envs.envs[0].pid, signal.SIGKILL)
+        began = time.monotonic()
+        _, _, _, truncations, infos = envs.step(np.ones(2, dtype=np.int64))
+        assert time.monotonic() - began < 5.0
+        assert truncations.tolist() == [True, False]
+        assert infos["multienv"]["cause"][0] == "SIGKILL"
+        envs.step(np.ones(2, dtype=np.int64))
