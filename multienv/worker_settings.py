@@ -17,7 +17,8 @@ answer instead of sleeping at once, so its core stays awake for the next step: e
 keeps one core busy. ``check_spinners`` refuses more spinning workers than the cores this
 process may use. The parent counts as one more spinner when it polls too: it does, for up
 to ``SPIN_S`` of each wait for a worker, only when a vector leaves a core to spare for it
-(``parent_spins``); otherwise it sleeps on one wake-up per worker.
+(``parent_spins``); otherwise it sleeps until the last of a step's workers wakes it
+(``done_pipes``), one wake-up per step.
 """
 
 from __future__ import annotations
