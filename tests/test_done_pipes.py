@@ -36,6 +36,22 @@ def notifier(channels: DoneChannels, worker_index: int) -> DoneNotifier:
     return DoneNotifier(worker_index, (os.dup(fds[0]), os.dup(fds[1]), os.dup(fds[2])))
 
 
+@pytest.fixture
+def workers(channels):
+    """The ends of the first group's three workers."""
+    ends = [notifier(channels, w) for w in range(3)]
+    yield ends
+    for end in ends:
+        end.close()
+
+
+def open_round(channels: DoneChannels, seq: int) -> None:
+    """The parent starts a round and sends batch ``seq`` to each of the first group's workers."""
+    channels.open_round()
+    for w in range(3):
+        channels.expect(w, seq)
+
+
 def is_woken(channels: DoneChannels, worker_index: int) -> bool:
     """Whether the parent, asleep on the worker's group's done pipe, would wake now."""
     poller = select.poll()
@@ -43,12 +59,9 @@ def is_woken(channels: DoneChannels, worker_index: int) -> bool:
     return bool(poller.poll(0))
 
 
-def test_in_a_round_only_the_last_worker_to_finish_wakes_the_parent(channels):
-    workers = [notifier(channels, w) for w in range(3)]
+def test_in_a_round_only_the_last_worker_to_finish_wakes_the_parent(channels, workers):
     for round_number in range(1, 4):  # rounds follow each other with no stale tokens
-        channels.open_round()
-        for w in range(3):
-            channels.expect(w, round_number)
+        open_round(channels, round_number)
         for w in (2, 0):
             workers[w].notify(round_number, DONE_OK, is_counted=True)
             assert not is_woken(channels, 0)
@@ -58,8 +71,6 @@ def test_in_a_round_only_the_last_worker_to_finish_wakes_the_parent(channels):
         assert channels.done_seq[:3] == [round_number] * 3
         assert channels.done_kind[:3] == [DONE_OK, DONE_REPLY, DONE_OK]
         assert not is_woken(channels, 0)
-    for worker in workers:
-        worker.close()
 
 
 def test_a_batch_outside_a_round_wakes_the_parent_at_once(channels):
@@ -84,37 +95,25 @@ def test_a_group_of_one_worker_is_never_counted(channels):
     worker.close()
 
 
-def test_a_worker_that_leaves_the_round_makes_the_others_wake_the_parent(channels):
-    workers = [notifier(channels, w) for w in range(3)]
-    channels.open_round()
-    for w in range(3):
-        channels.expect(w, 4)
+def test_a_worker_that_leaves_the_round_makes_the_others_wake_the_parent(channels, workers):
+    open_round(channels, 4)
     channels.leave_round(1)  # its part went as a general batch: it answers uncounted
     workers[0].notify(4, DONE_OK, is_counted=True)
     assert not is_woken(channels, 0)
     workers[2].notify(4, DONE_OK, is_counted=True)
     assert is_woken(channels, 0)  # the last counted one
-    for worker in workers:
-        worker.close()
 
 
-def test_giving_up_more_tokens_than_the_round_has_only_wakes_the_parent_sooner(channels):
-    workers = [notifier(channels, w) for w in range(3)]
-    channels.open_round()
+def test_giving_up_more_tokens_than_the_round_has_only_wakes_the_parent_sooner(channels, workers):
+    open_round(channels, 2)
     for w in range(3):
-        channels.expect(w, 2)
         channels.leave_round(w)
     workers[0].notify(2, DONE_OK, is_counted=True)
     assert is_woken(channels, 0)
-    for worker in workers:
-        worker.close()
 
 
-def test_records_of_an_earlier_batch_are_dropped_from_either_pipe(channels):
-    workers = [notifier(channels, w) for w in range(3)]
-    channels.open_round()
-    for w in range(3):
-        channels.expect(w, 5)
+def test_records_of_an_earlier_batch_are_dropped_from_either_pipe(channels, workers):
+    open_round(channels, 5)
     workers[0].notify(5, DONE_OK, is_counted=True)  # quiet pipe
     workers[1].notify(5, DONE_OK, is_counted=True)  # quiet pipe
     workers[2].notify(5, DONE_OK, is_counted=True)  # both: the last
@@ -124,8 +123,6 @@ def test_records_of_an_earlier_batch_are_dropped_from_either_pipe(channels):
     workers[2].notify(6, DONE_OK, is_counted=False)
     channels.drain(channels.done_read(0))
     assert channels.done_seq[2] == 6
-    for worker in workers:
-        worker.close()
 
 
 def test_a_round_sentinel_is_forgotten_once_given_up(channels):
