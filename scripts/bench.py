@@ -271,17 +271,15 @@ def run_vector(build: Callable[[], Any], vector_steps: int, bank: list[Any]) -> 
         envs.close()
 
 
-def run_tianshou(fns: list[Callable[[], gym.Env]], vector_steps: int) -> Timer:
+def run_tianshou(fns: list[Callable[[], gym.Env]], vector_steps: int, bank: np.ndarray) -> Timer:
     from tianshou.env import ShmemVectorEnv
 
-    n = len(fns)
     envs = ShmemVectorEnv(fns)
     try:
         envs.reset()
-        actions = np.zeros(n, dtype=np.int64)
         with Timer() as timer:
-            for _ in range(vector_steps):
-                _, _, terminated, truncated, _ = envs.step(actions)
+            for t in range(vector_steps):
+                _, _, terminated, truncated, _ = envs.step(bank[t % len(bank)])
                 done = np.flatnonzero(np.logical_or(terminated, truncated))
                 if done.size:
                     envs.reset(done)  # Tianshou leaves resets to the caller
@@ -403,7 +401,7 @@ def run_implementation(
 
         return run_vector(lambda: AtariVectorEnv("pong", n, **ALE_MATCHED), steps, bank)
     if name == "Tianshou ShmemVectorEnv":
-        return run_tianshou(fns, steps)
+        return run_tianshou(fns, steps, bank)
     if name.startswith("PufferLib workers="):
         return run_pufferlib(fns, int(name.rpartition("=")[2]), steps, bank)
     if name == "multienv async k=1":
@@ -438,11 +436,7 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
             for variant in ("pinned", "unpinned")
         ]
     if args.baseline:
-        names += [  # hot mode is new: the baseline has none
-            f"{name} @baseline"
-            for name in names
-            if name.startswith("multienv") and not name.endswith(" spin")
-        ]
+        names += [f"{name} @baseline" for name in names if name.startswith("multienv")]
     # Size a run so the sequential loop takes about args.seconds; parallel ones take less.
     vector_steps = max(20, int(single_rate * args.seconds / n))
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
