@@ -419,8 +419,14 @@ def run_implementation(
 # ----------------------------------------------------------------- throughput table
 
 
+REFERENCES = ("sequential loop", "gymnasium AsyncVectorEnv")  # every ratio needs them
+
+
 def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
-    """Every implementation, each sample in a fresh process, interleaved over rounds."""
+    """Every implementation, each sample in a fresh process, interleaved over rounds.
+
+    A peer whose sample fails is left out of the rest of the run, with its last error line.
+    """
     _, single_rate = WORKLOADS[workload]
     names = implementations(n, workload)
     if args.only_multienv:  # the references, and multienv at k=1 and k=N/2
@@ -441,8 +447,17 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
     vector_steps = max(20, int(single_rate * args.seconds / n))
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for round_index in range(args.rounds):
-        for name in names:
-            sample = in_fresh_process(args, f"throughput:{workload}:{n}:{vector_steps}:{name}")
+        for name in list(names):
+            try:
+                sample = in_fresh_process(args, f"throughput:{workload}:{n}:{vector_steps}:{name}")
+            except RuntimeError as exc:
+                if name.startswith("multienv") or name in REFERENCES:
+                    raise
+                last_line = str(exc).strip().splitlines()[-1]
+                print(f"{workload} N={n}: {name} failed, left out: {last_line}", file=sys.stderr)
+                names.remove(name)
+                del samples[name]
+                continue
             samples[name].append(sample)
             print(
                 f"{workload} N={n} round {round_index + 1}: {name}: "
