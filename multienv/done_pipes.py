@@ -149,13 +149,6 @@ class DoneChannels:
             except BlockingIOError:
                 pass  # all taken: the workers still stepping each wake the parent
 
-    def worker_of_sentinel(self, worker_index: int, sentinel: int) -> int | None:
-        """Which worker of this worker's round ``sentinel`` belongs to; None if none."""
-        for other, fd in self._group(worker_index).sentinels.items():
-            if fd == sentinel:
-                return other
-        return None
-
     def close(self) -> None:
         """Close every pipe end the parent holds."""
         for group in self._groups:
