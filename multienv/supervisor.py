@@ -76,6 +76,16 @@ def batch_deadline(
     return time.monotonic() + budget if budget else None
 
 
+def items_deadline(
+    is_reset: np.ndarray, timeouts: tuple[float | None, float | None]
+) -> float | None:
+    """``batch_deadline`` of a batch whose items reset where ``is_reset`` is set, else step."""
+    if timeouts == (None, None):
+        return None  # skips the count on every step of a vector without timeouts
+    num_resets = int(np.count_nonzero(is_reset))
+    return batch_deadline(len(is_reset) - num_resets, num_resets, timeouts)
+
+
 @dataclasses.dataclass
 class _Pending:
     """The call in flight on a worker."""
@@ -241,8 +251,7 @@ class WorkerSupervisor:
         if self._recycler is not None:
             batch = self._recycler.before(batch)
         sent, sent_items, lost = self._cuts.split(batch)
-        num_resets = int(np.count_nonzero(sent.is_reset))
-        deadline = batch_deadline(len(sent.positions) - num_resets, num_resets, self._timeouts)
+        deadline = items_deadline(sent.is_reset, self._timeouts)
         self._pending = _Pending(batch, sent, sent_items, lost, None, deadline, time.perf_counter())
         if len(sent.positions):
             self.handle.submit_batch(sent)
@@ -264,11 +273,7 @@ class WorkerSupervisor:
                 self._shm_handle.leave_round()  # its answer will not be counted
             self.submit(plan.batch(env_slice))
             return
-        deadline = None
-        if self._timeouts != (None, None):
-            num_resets = int(np.count_nonzero(plan.is_reset[env_slice]))
-            num_steps = env_slice.stop - env_slice.start - num_resets
-            deadline = batch_deadline(num_steps, num_resets, self._timeouts)
+        deadline = items_deadline(plan.is_reset[env_slice], self._timeouts)
         pending = self._planned  # reused: this runs for every worker on every step
         pending.batch = pending.sent = None
         pending.plan, pending.plan_slice, pending.deadline = plan, env_slice, deadline
