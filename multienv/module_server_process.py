@@ -118,7 +118,10 @@ def serve(sock: socket.socket, owner_pid: int, main_failed: str | None) -> None:
         return
     except (AttributeError, OSError):  # no pidfd: each worker watches the owner itself
         owner_fd = -1
-    _Server(sock, owner_fd, main_failed).serve()
+    try:
+        _Server(sock, owner_fd, main_failed).serve()
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the parent went while the server answered it
 
 
 class _Server:
@@ -210,6 +213,8 @@ def _reap(status_fds: dict[int, int]) -> None:
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             try:
                 os.write(fd, STATUS.pack(code))
+            except BrokenPipeError:
+                pass  # no reader: the parent is gone (its exit closed every status pipe)
             finally:
                 os.close(fd)
 

@@ -110,6 +110,46 @@ def test_when_the_module_server_dies_its_workers_are_respawned_from_the_forkserv
     assert done.stdout.strip().splitlines()[-1] == "ok"
 
 
+_GONE_READER_SCRIPT = """
+import os, signal, time
+import numpy as np
+from multienv import MultiEnv, module_server
+from tests.conftest import wait_until_dead
+from tests.envs import CountingEnv
+
+if True:  # run with -c: no script file for workers to import
+    with MultiEnv([lambda: CountingEnv(episode_length=1000)] * 3) as envs:
+        envs.reset(seed=0)
+        server = module_server.running()
+        assert server is not None, "no module server"
+        # Worker 0's status pipe loses its only reader, as when the parent dies: its sentinel
+        # fd now reads another pipe, which the test keeps.
+        process = envs.envs[0].supervisor.handle._process
+        spare_read, spare_write = os.pipe()
+        os.dup2(spare_read, process.sentinel)
+        os.kill(process.pid, signal.SIGKILL)
+        wait_until_dead([process.pid])
+        time.sleep(0.5)  # the server reaps it and finds no one to tell
+        assert module_server.running() is server, "the module server died"
+        os.kill(envs.envs[1].pid, 0)  # its other workers live on (no PR_SET_PDEATHSIG)
+        os.write(spare_write, bytes(4))  # the status worker 0's handle waits for
+        obs, *_ = envs.step(np.ones(3, dtype=np.int64))
+        assert [proxy.restarts for proxy in envs.envs] == [1, 0, 0]
+        print("ok")
+"""
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(60)
+def test_a_worker_whose_status_has_no_reader_left_does_not_take_the_server_down():
+    # The parent killed with SIGKILL closes every status pipe while its workers exit: the
+    # server printed a BrokenPipeError traceback and died, taking the live workers along.
+    done = run_python(["-c", _GONE_READER_SCRIPT])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ok"
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 _LARGE_FACTORY_SCRIPT = """
 import functools, os
 import numpy as np
