@@ -113,6 +113,14 @@ class DoneChannels:
         self._read_records(group.done[0])
         self._read_records(group.quiet[0])
 
+    def drain_quiet(self, done_read: int) -> None:
+        """Read the records in the quiet pipe of that group, before the parent sleeps.
+
+        A record in the quiet pipe wakes no one, so it is read first; one in the done pipe
+        ends the sleep at once, and is read then.
+        """
+        self._read_records(self._by_done_read[done_read].quiet[0])
+
     def open_round(self) -> None:
         """Start a round: each group of two or more workers gets one token fewer than workers."""
         for group in self._groups:

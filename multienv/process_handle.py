@@ -366,7 +366,7 @@ class ProcessHandle:
                 if not events:
                     timeout_ms = poll_ms(deadline, time.monotonic())
                     if seq and self._is_counted and done is not None:
-                        done.drain(done_read)  # a record in the quiet pipe wakes no one
+                        done.drain_quiet(done_read)  # a record there wakes no one
                         if done.done_seq[worker_index] == seq:
                             continue
                         events = self._wait_in_round(timeout_ms)
