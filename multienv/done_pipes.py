@@ -27,7 +27,12 @@ The rules that keep a round from losing its wake-up:
 - while the parent sleeps on a counted batch, it also waits on the deaths of the round's
   other workers (``round_sentinels``), and gives a dead one's token up;
 - before each sleep on a counted batch, the parent reads the quiet pipe: a worker that took
-  a token which a dead or absent one left over has finished without waking anyone.
+  a token which a dead or absent one left over has finished without waking anyone;
+- a sleep on a counted batch ends by the earliest deadline of the round's workers still
+  stepping (``round_deadline``), not only the awaited one's: a worker with no deadline of
+  its own (a reset with no ``reset_timeout``) may finish quietly while another hangs. When
+  another's deadline ends it, the parent takes the tokens left (``break_round``), so that
+  every worker finishing from then on wakes it, and goes on to the late one, which it kills.
 
 So the last worker still stepping always finds no token, and a worker done before the
 parent gave a token up is found in the quiet pipe. A token given up twice only costs a
@@ -59,6 +64,7 @@ class _Group:
     quiet: tuple[int, int]
     tokens: tuple[int, int]
     sentinels: dict[int, int] = dataclasses.field(default_factory=dict)  # worker -> sentinel
+    deadlines: dict[int, float] = dataclasses.field(default_factory=dict)  # worker -> deadline
 
 
 class DoneChannels:
@@ -125,6 +131,7 @@ class DoneChannels:
         """Start a round: each group of two or more workers gets one token fewer than workers."""
         for group in self._groups:
             group.sentinels.clear()
+            group.deadlines.clear()
             if group.size < 2:
                 continue
             _drain(group.tokens[0])
@@ -134,9 +141,43 @@ class DoneChannels:
         """Whether this worker's batch in a round is counted (its group has two or more)."""
         return self._group(worker_index).size >= 2
 
-    def join_round(self, worker_index: int, sentinel: int) -> None:
-        """The worker was sent its counted batch; ``sentinel`` tells its death."""
-        self._group(worker_index).sentinels[worker_index] = sentinel
+    def join_round(self, worker_index: int, sentinel: int, deadline: float | None) -> None:
+        """The worker was sent its counted batch; ``sentinel`` tells its death.
+
+        ``deadline``: when the batch is late (``time.monotonic``); None: never.
+        """
+        group = self._group(worker_index)
+        group.sentinels[worker_index] = sentinel
+        if deadline is not None:
+            group.deadlines[worker_index] = deadline
+
+    def settle(self, worker_index: int) -> None:
+        """The worker's counted batch was collected: the round waits for it no more."""
+        group = self._group(worker_index)
+        group.sentinels.pop(worker_index, None)
+        group.deadlines.pop(worker_index, None)
+
+    def round_deadline(self, worker_index: int) -> float | None:
+        """The earliest deadline of the other workers of the round whose records are not in."""
+        deadlines = self._group(worker_index).deadlines
+        awaited, done_seq = self._awaited, self.done_seq
+        late = [
+            deadline
+            for other, deadline in deadlines.items()
+            if other != worker_index and done_seq[other] != awaited[other]
+        ]
+        return min(late) if late else None
+
+    def break_round(self, worker_index: int) -> None:
+        """Make every worker of the group that finishes from now on wake the parent.
+
+        A worker of the round is late while the parent waits for another: the parent takes
+        the tokens left, so that the one it waits for wakes it, and it can go on to the late
+        one and kill it. The round's deadlines are dropped: the wait is for one worker now.
+        """
+        group = self._group(worker_index)
+        group.deadlines.clear()
+        _drain(group.tokens[0])
 
     def round_sentinels(self, worker_index: int) -> list[int]:
         """The sentinels of the other workers of this worker's round, still counted."""
@@ -151,6 +192,7 @@ class DoneChannels:
         group = self._group(worker_index)
         if sentinel is not None:
             group.sentinels = {w: fd for w, fd in group.sentinels.items() if fd != sentinel}
+            group.deadlines = {w: d for w, d in group.deadlines.items() if w in group.sentinels}
         if group.size >= 2:
             try:
                 os.read(group.tokens[0], 1)

@@ -108,8 +108,11 @@ class SharedMemoryHandle(WorkerHandle, Protocol):
     def read_obs(self, position: int) -> Any:
         """The observation the env at ``position`` is on in shared memory; None if unlinked."""
 
-    def submit_planned(self, plan: StepPlan, env_slice: slice) -> None:
-        """Send this worker's part (its envs are ``env_slice`` of the vector) of a plan."""
+    def submit_planned(self, plan: StepPlan, env_slice: slice, deadline: float | None) -> None:
+        """Send this worker's part (its envs are ``env_slice`` of the vector) of a plan.
+
+        ``deadline``: when it is late, as ``collect_planned`` gets it.
+        """
 
     def collect_planned(self, deadline: float | None) -> BatchResult | Death | None:
         """Wait for this worker's part of a plan: None when everything is in shared memory."""

@@ -229,10 +229,11 @@ class ProcessHandle:
         self._is_counted = False
         self._send(message)
 
-    def submit_planned(self, plan: StepPlan, env_slice: slice) -> None:
+    def submit_planned(self, plan: StepPlan, env_slice: slice, deadline: float | None) -> None:
         """Send this worker's slice of a planned step: its items were encoded for all envs.
 
-        In a round (``plan.is_counted``), its batch is counted when its group has others.
+        In a round (``plan.is_counted``), its batch is counted when its group has others;
+        ``deadline`` is when it is late (``collect_planned`` gets the same).
         """
         seat = self._seat
         assert seat.shared is not None
@@ -243,7 +244,7 @@ class ProcessHandle:
                 done.leave_round(seat.worker_index)
                 is_counted = False
             else:
-                done.join_round(seat.worker_index, process.sentinel)
+                done.join_round(seat.worker_index, process.sentinel, deadline)
         message = seat.planned_frame(plan, env_slice, is_counted)
         self._notify_seq = seat.seq
         self._is_counted = is_counted
@@ -358,20 +359,26 @@ class ProcessHandle:
             if seq and done is not None and done.done_seq[worker_index] == seq:
                 done.done_seq[worker_index] = 0
                 self._notify_seq = 0  # a late record of this batch must not answer a later one
+                if self._is_counted:
+                    done.settle(worker_index)
                 if done.done_kind[worker_index] == DONE_OK:
                     return _DONE_OK_REPLY
                 seq = 0  # the reply follows on our own pipe
+            is_mate_late = False  # a wait in a round ended by another worker's deadline
             try:
                 events = poll_hot(self._poller.poll, self._spin_s) if self._spin_s else []
                 if not events:
-                    timeout_ms = poll_ms(deadline, time.monotonic())
+                    wake_at = deadline
                     if seq and self._is_counted and done is not None:
                         done.drain_quiet(done_read)  # a record there wakes no one
                         if done.done_seq[worker_index] == seq:
                             continue
-                        events = self._wait_in_round(timeout_ms)
+                        mates = done.round_deadline(worker_index)
+                        if mates is not None and (wake_at is None or mates < wake_at):
+                            wake_at, is_mate_late = mates, True
+                        events = self._wait_in_round(poll_ms(wake_at, time.monotonic()))
                     else:
-                        events = self._poller.poll(timeout_ms)
+                        events = self._poller.poll(poll_ms(wake_at, time.monotonic()))
             except (OSError, ValueError):
                 events = [(process.sentinel, 0)]  # close() on another thread closed the pipe
             if self._is_closing.is_set():
@@ -400,6 +407,10 @@ class ProcessHandle:
                     return reply
                 except PIPE_ERRORS:
                     pass
+            elif not fds and is_mate_late:
+                assert done is not None
+                done.break_round(worker_index)  # it wakes the parent now; the late one is next
+                continue
             elif not fds:
                 logger.info(  # the supervisor logs the death at WARNING
                     "env %d: worker pid %d timed out; killing it", self._env_index, process.pid

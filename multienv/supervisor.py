@@ -279,7 +279,7 @@ class WorkerSupervisor:
         pending.plan, pending.plan_slice, pending.deadline = plan, env_slice, deadline
         pending.sent_at = time.perf_counter()
         self._pending = pending
-        self._shm_handle.submit_planned(plan, env_slice)
+        self._shm_handle.submit_planned(plan, env_slice, deadline)
 
     def finish(self) -> tuple[BatchResult | None, dict[int, Exception]]:
         """Collect the batch ``submit()`` sent: its result, and ``EnvError``s by item index.

@@ -198,6 +198,14 @@ class SlowReset(CountingEnv):
         return super().reset(seed=seed, options=options)
 
 
+class QuietSlowReset(SlowReset):
+    """A ``SlowReset`` whose reset info is empty, so a planned step's reset answers by record."""
+
+    def reset(self, *, seed=None, options=None):
+        obs, _ = super().reset(seed=seed, options=options)
+        return obs, {}
+
+
 class BoxActionEnv(gym.Env):
     def __init__(self) -> None:
         self.observation_space = gym.spaces.Box(-1, 1, shape=(3,), dtype=np.float32)

@@ -20,7 +20,7 @@ import pytest
 from multienv import MultiEnv
 from multienv.done_pipes import DoneChannels, DoneNotifier
 from multienv.framing import DONE_OK, DONE_REPLY
-from tests.envs import SleepyEnv
+from tests.envs import HangOnStep, QuietSlowReset, SleepyEnv
 
 
 @pytest.fixture
@@ -127,13 +127,38 @@ def test_records_of_an_earlier_batch_are_dropped_from_either_pipe(channels, work
 
 def test_a_round_sentinel_is_forgotten_once_given_up(channels):
     channels.open_round()
-    channels.join_round(0, 100)
-    channels.join_round(1, 101)
+    channels.join_round(0, 100, None)
+    channels.join_round(1, 101, 5.0)
     assert channels.round_sentinels(0) == [101]
     channels.leave_round(0, sentinel=101)
     assert channels.round_sentinels(0) == []
+    assert channels.round_deadline(0) is None  # a dead worker's deadline goes with it
     channels.open_round()
     assert channels.round_sentinels(1) == []
+
+
+def test_the_round_deadline_is_the_earliest_of_the_others_still_stepping(channels, workers):
+    open_round(channels, 7)
+    channels.join_round(0, 100, None)  # a reset with no reset_timeout
+    channels.join_round(1, 101, 9.0)
+    channels.join_round(2, 102, 8.0)
+    assert channels.round_deadline(0) == 8.0
+    assert channels.round_deadline(2) == 9.0  # its own does not count
+    workers[2].notify(7, DONE_OK, is_counted=True)  # in, not yet collected
+    channels.drain_quiet(channels.done_read(0))
+    assert channels.round_deadline(0) == 9.0
+    channels.settle(1)  # collected
+    assert channels.round_deadline(0) is None
+
+
+def test_a_broken_round_makes_every_worker_that_finishes_wake_the_parent(channels, workers):
+    open_round(channels, 7)
+    for w in range(3):
+        channels.join_round(w, 100 + w, 1.0)
+    channels.break_round(0)
+    assert channels.round_deadline(0) is None
+    workers[0].notify(7, DONE_OK, is_counted=True)
+    assert is_woken(channels, 0)  # no token left to take
 
 
 # ---------------------------------------------------------------- real workers
@@ -178,4 +203,26 @@ def test_a_worker_killed_as_a_step_is_sent_leaves_its_token_to_a_mate_then_read(
         assert time.monotonic() - began < 5.0
         assert truncations.tolist() == [True, False]
         assert infos["multienv"]["cause"][0] == "SIGKILL"
+        envs.step(np.ones(2, dtype=np.int64))
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wait", ["sleep", "spin"])
+def test_a_hang_past_step_timeout_is_killed_while_a_mate_resets_with_no_timeout(wait):
+    # Worker 0 resets (its episode ended; no reset_timeout: no deadline of its own) and
+    # finishes after the parent fell asleep on it, waking no one; worker 1 hangs. Sleeping
+    # until the round's last worker woke it, the parent waited out the whole hang:
+    # step_timeout was not kept.
+    fns = [functools.partial(QuietSlowReset, 0.2), functools.partial(HangOnStep, 2, 30.0)]
+    with MultiEnv(fns, envs_per_worker=1, wait=wait, step_timeout=0.5) as envs:
+        envs.reset(seed=0)
+        envs.envs[0].set_attr("episode_length", 1)
+        _, _, terminations, _, _ = envs.step(np.ones(2, dtype=np.int64))
+        assert terminations.tolist() == [True, False]
+        began = time.monotonic()
+        _, _, _, truncations, infos = envs.step(np.ones(2, dtype=np.int64))
+        assert time.monotonic() - began < 5.0
+        assert truncations.tolist() == [False, True]
+        assert infos["multienv"]["cause"][1] == "timeout"
         envs.step(np.ones(2, dtype=np.int64))
