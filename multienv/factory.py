@@ -50,6 +50,24 @@ def check_timeouts(env_index: int, **timeouts: float | None) -> None:
             raise ValueError(f"env {env_index}: {name} must be > 0 or None, got {value!r}")
 
 
+def warn_unbounded_batches(envs_per_worker: int, options: dict[str, Any]) -> None:
+    """Log that ``step_timeout`` has gaps when workers host several envs and resets are unbounded.
+
+    A worker answers for its batch as a whole: its deadline is ``step_timeout`` per step plus
+    ``reset_timeout`` per reset. With no ``reset_timeout``, the batch that resets one of its
+    envs (after an episode ends, with the others' steps) has no deadline at all.
+    """
+    step_timeout, reset_timeout = options.get("step_timeout"), options.get("reset_timeout")
+    if envs_per_worker > 1 and step_timeout is not None and reset_timeout is None:
+        logger.warning(
+            "step_timeout=%s with %d envs per worker and no reset_timeout: a worker's step that "
+            "also resets one of its envs has no deadline, so a hang in it is never killed; "
+            "pass reset_timeout too",
+            step_timeout,
+            envs_per_worker,
+        )
+
+
 def supervise(
     env_fns: Sequence[Callable[[], Any]],
     first_env_index: int,
@@ -74,6 +92,8 @@ def supervise(
         },
     )
     env_indices = list(range(first_env_index, first_env_index + len(env_fns)))
+    if first_env_index == 0:  # once per vector
+        warn_unbounded_batches(len(env_fns), supervisor_options)
     env_fn_bytes = [
         pickle_env_fn(env_fn, env_index)
         for env_fn, env_index in zip(env_fns, env_indices, strict=True)

@@ -124,7 +124,8 @@ class SubprocessEnv(RemoteEnv):
         step_timeout: Seconds a ``step`` may take before the worker is killed; None waits
             forever. A worker stepping k envs at once gets k times as long.
         reset_timeout: Seconds a ``reset`` may take before the worker is killed; None waits
-            forever.
+            forever, and then a batch with a reset in it has no deadline at all (set both
+            timeouts for a worker of several envs).
         init_timeout: Seconds a worker may take to build its envs before it is killed.
         restart_on_error: Treat an exception raised by env code as a death.
         recycle: When to replace a worker by a fresh one at an episode boundary (budgets

@@ -29,6 +29,7 @@ from tests.envs import (
     CrashInInitAlways,
     CrashInInitOnce,
     ExitOnStep,
+    FixedLengthEnv,
     HangInInitOnce,
     HangOnResetOnce,
     HangOnStep,
@@ -105,6 +106,30 @@ def test_step_killed_while_allocating_returns_truncation_and_other_envs_unaffect
         assert infos["multienv"]["cause"][1] == "SIGKILL"
         assert obs[:, 0].tolist() == [1.0, 0.0, 1.0]
         assert rewards.tolist() == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.timeout(60)
+def test_a_step_that_also_resets_a_mate_has_a_deadline_only_with_reset_timeout(caplog):
+    # A worker answers for its batch as a whole: the step after env 0's episode ended resets
+    # it along with env 1's step, which hangs. Without reset_timeout that batch has no
+    # deadline, which a vector says when it is built; with it, the hang is killed.
+    fns = [lambda: FixedLengthEnv(1), lambda: HangOnStep(at_count=2, hang_s=30.0)]
+    with caplog.at_level(logging.WARNING, logger="multienv"):
+        MultiEnv(fns, envs_per_worker=2, step_timeout=0.5).close()
+    assert sum("no reset_timeout" in r.message for r in caplog.records) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="multienv"):
+        MultiEnv(fns, envs_per_worker=1, step_timeout=0.5).close()
+        envs = MultiEnv(fns, envs_per_worker=2, step_timeout=0.5, reset_timeout=1.0)
+    assert not any("no reset_timeout" in r.message for r in caplog.records)
+    with envs:
+        envs.reset(seed=0)
+        envs.step(np.ones(2, dtype=np.int64))
+        began = time.monotonic()
+        _, _, _, truncations, infos = envs.step(np.ones(2, dtype=np.int64))
+        assert time.monotonic() - began < 5
+        assert truncations.tolist() == [False, True]  # env 0's reset is replayed
+        assert infos["multienv"]["cause"][1] == "timeout"
 
 
 def test_step_timeout_kills_the_hung_worker_and_returns_truncation(caplog):
