@@ -55,7 +55,7 @@ def warn_unbounded_batches(envs_per_worker: int, options: dict[str, Any]) -> Non
 
     A worker answers for its batch as a whole: its deadline is ``step_timeout`` per step plus
     ``reset_timeout`` per reset. With no ``reset_timeout``, the batch that resets one of its
-    envs (after an episode ends, with the others' steps) has no deadline at all.
+    envs with the others' steps (a vector's next-step autoreset) has no deadline at all.
     """
     step_timeout, reset_timeout = options.get("step_timeout"), options.get("reset_timeout")
     if envs_per_worker > 1 and step_timeout is not None and reset_timeout is None:
@@ -92,8 +92,6 @@ def supervise(
         },
     )
     env_indices = list(range(first_env_index, first_env_index + len(env_fns)))
-    if first_env_index == 0:  # once per vector
-        warn_unbounded_batches(len(env_fns), supervisor_options)
     env_fn_bytes = [
         pickle_env_fn(env_fn, env_index)
         for env_fn, env_index in zip(env_fns, env_indices, strict=True)

@@ -33,7 +33,7 @@ from multienv.errors import (
     NoPendingCallError,
     PendingCallError,
 )
-from multienv.factory import proxies_for
+from multienv.factory import proxies_for, warn_unbounded_batches
 from multienv.fan_out import (
     FanOut,
     MakeBatch,
@@ -138,6 +138,8 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             options,
             keyword_options(MultiEnv.__init__) - {"self", "envs", "options"},
         )
+        if is_built and self.autoreset_mode is AutoresetMode.NEXT_STEP:
+            warn_unbounded_batches(min(envs_per_worker, len(proxies)), options)  # steps + resets
         try:
             self._adopt(proxies, num_threads)
         except BaseException:

@@ -112,7 +112,8 @@ def test_step_killed_while_allocating_returns_truncation_and_other_envs_unaffect
 def test_a_step_that_also_resets_a_mate_has_a_deadline_only_with_reset_timeout(caplog):
     # A worker answers for its batch as a whole: the step after env 0's episode ended resets
     # it along with env 1's step, which hangs. Without reset_timeout that batch has no
-    # deadline, which a vector says when it is built; with it, the hang is killed.
+    # deadline, which a vector says when it is built; with it, the hang is killed. Same-step
+    # autoreset resets inside a step, under its deadline: nothing to say.
     fns = [lambda: FixedLengthEnv(1), lambda: HangOnStep(at_count=2, hang_s=30.0)]
     with caplog.at_level(logging.WARNING, logger="multienv"):
         MultiEnv(fns, envs_per_worker=2, step_timeout=0.5).close()
@@ -120,6 +121,7 @@ def test_a_step_that_also_resets_a_mate_has_a_deadline_only_with_reset_timeout(c
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="multienv"):
         MultiEnv(fns, envs_per_worker=1, step_timeout=0.5).close()
+        MultiEnv(fns, envs_per_worker=2, step_timeout=0.5, autoreset_mode="SameStep").close()
         envs = MultiEnv(fns, envs_per_worker=2, step_timeout=0.5, reset_timeout=1.0)
     assert not any("no reset_timeout" in r.message for r in caplog.records)
     with envs:
