@@ -191,8 +191,8 @@ class DoneChannels:
         """
         group = self._group(worker_index)
         if sentinel is not None:
-            group.sentinels = {w: fd for w, fd in group.sentinels.items() if fd != sentinel}
-            group.deadlines = {w: d for w, d in group.deadlines.items() if w in group.sentinels}
+            for other in [w for w, fd in group.sentinels.items() if fd == sentinel]:
+                self.settle(other)  # its death is seen: the round waits for it no more
         if group.size >= 2:
             try:
                 os.read(group.tokens[0], 1)
