@@ -217,16 +217,20 @@ def test_a_worker_killed_as_a_step_is_sent_leaves_its_token_to_a_mate_then_read(
 @pytest.mark.fault
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("wait", ["sleep", "spin"])
-def test_a_hang_past_step_timeout_is_killed_while_a_mate_resets_with_no_timeout(wait):
+@pytest.mark.parametrize("reset_s", [0.2, 1.0])
+def test_a_hang_past_step_timeout_is_killed_while_a_mate_resets_with_no_timeout(wait, reset_s):
     # Worker 0 resets (its episode ended; no reset_timeout: no deadline of its own) and
     # finishes after the parent fell asleep on it, waking no one; worker 1 hangs. Sleeping
     # until the round's last worker woke it, the parent waited out the whole hang:
-    # step_timeout was not kept.
-    fns = [functools.partial(QuietSlowReset, 0.2), functools.partial(HangOnStep, 2, 30.0)]
+    # step_timeout was not kept. A reset of 1 s is still running when worker 1's deadline
+    # passes: the round is broken, so that worker 0 wakes the parent when it is done.
+    fns = [functools.partial(QuietSlowReset, reset_s), functools.partial(HangOnStep, 2, 30.0)]
     with MultiEnv(fns, envs_per_worker=1, wait=wait, step_timeout=0.5) as envs:
         envs.reset(seed=0)
         envs.envs[0].set_attr("episode_length", 1)
         _, _, terminations, _, _ = envs.step(np.ones(2, dtype=np.int64))
         assert terminations.tolist() == [True, False]
+        cpu_began = time.process_time()
         assert step_soon(envs) == [(False, None), (True, "timeout")]
+        assert time.process_time() - cpu_began < 0.25  # it slept, not polled, for worker 0
         envs.step(np.ones(2, dtype=np.int64))
