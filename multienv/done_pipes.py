@@ -146,16 +146,19 @@ class DoneChannels:
 
         ``deadline``: when the batch is late (``time.monotonic``); None: never.
         """
-        group = self._group(worker_index)
+        group = self._group_of[worker_index]  # on every step of every worker: no call
+        assert group is not None
         group.sentinels[worker_index] = sentinel
         if deadline is not None:
             group.deadlines[worker_index] = deadline
 
     def settle(self, worker_index: int) -> None:
         """The worker's counted batch was collected: the round waits for it no more."""
-        group = self._group(worker_index)
+        group = self._group_of[worker_index]  # on every step of every worker: no call
+        assert group is not None
         group.sentinels.pop(worker_index, None)
-        group.deadlines.pop(worker_index, None)
+        if group.deadlines:
+            group.deadlines.pop(worker_index, None)
 
     def round_deadline(self, worker_index: int) -> float | None:
         """The earliest deadline of the other workers of the round whose records are not in."""

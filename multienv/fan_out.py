@@ -133,6 +133,8 @@ def finish(group: WorkerGroup) -> Collected:
         result, errors = group.supervisor.finish()
     except Exception as exc:  # noqa: BLE001 - raised by the caller, lowest env index first
         return None, dict.fromkeys(group.env_ids, exc)
+    if not errors:  # the usual case, on every step of every worker
+        return result, {}
     return result, {group.env_ids[item]: error for item, error in errors.items()}
 
 
@@ -155,7 +157,11 @@ def run_slice(
     sent = []
     for number, group in zip(numbers, groups, strict=True):
         try:
-            if submit(group, make_batch(group)):
+            order = make_batch(group)
+            if isinstance(order, StepPlan):  # submit(), inline: every worker, every step
+                group.supervisor.submit_planned(order, group.index)
+                sent.append((number, group))
+            elif submit(group, order):
                 sent.append((number, group))
         except Exception as exc:  # noqa: BLE001 - raised by the caller, lowest env index first
             outcome[number] = (None, dict.fromkeys(group.env_ids, exc))

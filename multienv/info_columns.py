@@ -169,7 +169,8 @@ class _Known:
         for is_float, cells, dtype in self.blocks:
             source = (floats if is_float else ints)[:, cells].T
             blocks.append(source.copy() if source.dtype == dtype else source.astype(dtype, "C"))
-        masks = np.ones((len(self.layout), len(floats)), dtype=np.bool_)
+        masks = np.empty((len(self.layout), len(floats)), dtype=np.bool_)
+        masks.fill(True)  # np.ones is a Python function: twice the time, on every step
         infos: dict[str, Any] = {}
         for row, (key, mask_key, block, block_row) in enumerate(self.layout):
             infos[key] = blocks[block][block_row]

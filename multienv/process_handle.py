@@ -237,9 +237,9 @@ class ProcessHandle:
         """
         seat = self._seat
         assert seat.shared is not None
-        done, process = seat.shared.done, self._process
-        is_counted = plan.is_counted and done.is_counted(seat.worker_index)
+        is_counted = plan.is_counted and seat.is_grouped
         if is_counted:
+            done, process = seat.shared.done, self._process
             if process is None:  # no worker to take a token: give it up now
                 done.leave_round(seat.worker_index)
                 is_counted = False
@@ -248,7 +248,10 @@ class ProcessHandle:
         message = seat.planned_frame(plan, env_slice, is_counted)
         self._notify_seq = seat.seq
         self._is_counted = is_counted
-        self._send(message)
+        try:  # _send, inline: this runs for every worker on every step
+            write_frame(self._fd, message)
+        except (*PIPE_ERRORS, OSError):
+            pass  # the worker is dead; _receive() sees its sentinel
 
     def leave_round(self) -> None:
         """This worker's part of a round goes as a general batch, or not at all (``done_pipes``)."""
@@ -258,6 +261,14 @@ class ProcessHandle:
 
     def collect_planned(self, deadline: float | None) -> BatchResult | Death | None:
         """Wait for this worker's slice of a plan: None when all of it is in shared memory."""
+        seat, seq = self._seat, self._notify_seq
+        if seat.shared is not None and seq:  # the usual case: a round's record is in already
+            done, worker_index = seat.shared.done, seat.worker_index
+            if done.done_seq[worker_index] == seq and done.done_kind[worker_index] == DONE_OK:
+                done.done_seq[worker_index] = self._notify_seq = 0  # as _receive takes it
+                if self._is_counted:
+                    done.settle(worker_index)
+                return PLANNED_OK
         reply = self._receive(deadline)
         if reply is _DONE_OK_REPLY:
             return PLANNED_OK

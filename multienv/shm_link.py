@@ -84,7 +84,8 @@ class SubprocessLink:
         # Planned steps need env e at position e - first of its worker, workers in order.
         flat = [i for indices in env_indices for i in indices]
         self._plan_items: np.ndarray | None = None  # reused by every planned step
-        self._plain_steps: dict[tuple[int, bool], bytes] = {}  # (slot, autoreset): items
+        # (slot, autoreset): the encoded items of a step of every env from that slot
+        self._plain_steps: dict[tuple[int, bool], framing.PlannedItems] = {}
         if self._shared is not None and flat == list(range(num_envs)):
             self._plan_items = np.zeros(num_envs, dtype=framing.ITEM_DTYPE)
             self._plan_items["position"] = [
@@ -167,13 +168,12 @@ class SubprocessLink:
             shared.actions[:] = actions
             # Every env steps, all from one slot: the same bytes as the last such step.
             key = (int(slots[0]), autoreset) if shared.has_same_slot() else None
-            encoded = self._plain_steps.get(key) if key is not None else None
-            if encoded is None:
+            wire = self._plain_steps.get(key) if key is not None else None
+            if wire is None:
                 flags = framing.item_flags(is_reset, slots, autoreset, info_columns=True)
-                encoded = framing.encode_items(None, flags, out=items)
+                wire = framing.PlannedItems(framing.encode_items(None, flags, out=items), slots)
                 if key is not None:
-                    self._plain_steps[key] = encoded
-            wire = framing.PlannedItems(encoded, slots)
+                    self._plain_steps[key] = wire
             return StepPlan(actions, is_reset, autoreset, wire, num_resets, is_counted)
         steps = ~is_reset
         shared.actions[steps] = actions[steps]

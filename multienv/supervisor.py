@@ -273,7 +273,13 @@ class WorkerSupervisor:
                 self._shm_handle.leave_round()  # its answer will not be counted
             self.submit(plan.batch(env_slice))
             return
-        deadline = items_deadline(plan.is_reset[env_slice], self._timeouts)
+        timeouts = self._timeouts
+        if timeouts == (None, None):
+            deadline = None  # no slice of is_reset to count, on every step of every worker
+        elif plan.num_resets:
+            deadline = items_deadline(plan.is_reset[env_slice], timeouts)
+        else:
+            deadline = batch_deadline(env_slice.stop - env_slice.start, 0, timeouts)
         pending = self._planned  # reused: this runs for every worker on every step
         pending.batch = pending.sent = None
         pending.plan, pending.plan_slice, pending.deadline = plan, env_slice, deadline

@@ -52,10 +52,13 @@ class WorkerSeat:
         is_contiguous = count > 0 and self.env_indices == list(range(first, first + count))
         self._env_slice = slice(first, first + count) if is_contiguous else None
         self.done_read = -1 if shared is None else shared.done.done_read(worker_index)
+        # Its batches in a round are counted: its group has other workers (``done_pipes``).
+        self.is_grouped = shared is not None and shared.done.is_counted(worker_index)
         self.seq = 0  # of the last fast batch, 1 to 255
         self._batch: Batch | None = None  # None for a planned step's slice
         self._env_ids: Any = None  # the batch's env indices (array or slice); None if pickled
         self._slots: np.ndarray | None = None  # and the slots it writes
+        self._plan_slots: np.ndarray | None = None  # a planned step's slots, of every env
 
     def link_payload(self, pid: int) -> LinkPayload:
         """What ATTACH gives worker ``pid``: the payload, the memory fd and the done pipe fds."""
@@ -130,7 +133,7 @@ class WorkerSeat:
         """
         wire: framing.PlannedItems = plan.wire
         self._batch = None
-        self._env_ids, self._slots = env_slice, wire.slots[env_slice]
+        self._env_ids, self._slots, self._plan_slots = env_slice, None, wire.slots
         seq = self.seq = self.seq % 255 + 1
         assert self.shared is not None
         self.shared.done.expect(self.worker_index, seq)
@@ -170,7 +173,9 @@ class WorkerSeat:
                 extras,
                 info_columns=is_planned,
             )
-        assert self._slots is not None
+        if self._slots is None:  # a planned step's: sliced only when a reply comes
+            assert self._plan_slots is not None
+            self._slots = self._plan_slots[env_ids]
         if result.extras:
             ok = np.array(
                 [
