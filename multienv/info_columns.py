@@ -94,9 +94,9 @@ class ColumnWriter:
         """Put ``info`` in the env's row; False (row cleared) if it must be pickled instead."""
         values = info.values()
         signature = (len(info), *info, *map(type, values))
-        if signature in self._known:
+        try:  # one lookup, not two: on every step of every env
             entry = self._known[signature]
-        else:
+        except KeyError:
             entry = self._learn(signature, len(info))
         if entry is None:
             self._ids[env_index] = 0

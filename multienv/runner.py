@@ -396,6 +396,8 @@ def make_obs_check(space: gym.Space[Any]) -> ObsCheck | None:
 
         def check_box(obs: Any) -> str | None:
             array = obs if isinstance(obs, np.ndarray) else np.asarray(obs)
+            if array.shape == shape and array.dtype in accepted:
+                return None  # the usual case, on every step: one lookup
             if array.dtype not in accepted and np.can_cast(array.dtype, dtype, "same_kind"):
                 accepted.add(array.dtype)
             if array.shape != shape or array.dtype not in accepted:
