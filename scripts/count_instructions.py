@@ -1,0 +1,251 @@
+"""Count the CPU instructions multienv spends per step, with valgrind: repeatable on a noisy VM.
+
+Run:
+    python scripts/count_instructions.py                    # parent, zero-cost env, k=1 and k=8
+    python scripts/count_instructions.py --side worker      # one worker's batch of 8 envs
+    python scripts/count_instructions.py --baseline /tmp/old   # the same for another checkout
+                                         # (e.g. git worktree add /tmp/old HEAD~1)
+    apt-get install valgrind             # needed; the script says so when it is missing
+
+Throughput on a shared 2-core VM moves by 10% or more between runs, which hides the cuts of
+a per-step path that are worth making one by one. Instructions do not move with the
+neighbours: callgrind counts those the process runs in user space (``PYTHONHASHSEED=0``),
+the same count each run for a worker's loop, within a few percent for the parent, whose
+path depends on when the workers answer. Kernel time, cache misses and wake-ups are not
+counted, so a change that trades one for instructions still needs ``scripts/bench.py``.
+
+``--side parent``: a ``MultiEnv`` of N=16 envs, default mode; only the parent process runs
+under callgrind (the workers fork from a server it starts, outside valgrind). The counters
+are zeroed after a warm-up and dumped after ``--steps`` vector steps, so start-up is not
+counted. ``--side worker``: one worker's fast-batch loop (``worker._Loop._fast_batch``)
+stepping k=8 envs, run in this process on the vector's real shared memory and done pipes,
+counted the same way. Envs: ``zero`` (no work; HalfCheetah's spaces and its info of four
+floats), ``cartpole`` and ``halfcheetah`` (``pip install -e ".[bench]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import pickle
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import gymnasium as gym
+import numpy as np
+
+
+@dataclasses.dataclass
+class Args:
+    side: str = "parent"  # "parent" (per vector step of N=16) or "worker" (per batch of 8)
+    env: str = "zero"  # zero, cartpole or halfcheetah
+    layouts: str = "1,8"  # --side parent: the envs_per_worker values to count
+    steps: int = 400  # vector steps (parent) or batches (worker) counted
+    repeats: int = 1  # counts per checkout and layout
+    baseline: str = ""  # another checkout of multienv, counted the same way
+    child: str = ""  # internal: run one counted process ("parent" or "worker")
+
+
+class ZeroEnv(gym.Env):
+    """No work: HalfCheetah's observation and action spaces, and its info of four floats."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (17,), np.float64)
+    action_space = gym.spaces.Box(-1.0, 1.0, (6,), np.float32)
+
+    def __init__(self) -> None:
+        self._obs = np.zeros(17)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs.copy(), {}
+
+    def step(self, action):
+        self.t += 1
+        info = {"x_position": 0.1, "x_velocity": 0.2, "reward_forward": 0.3, "reward_ctrl": -0.1}
+        return self._obs.copy(), 0.5, False, self.t >= 1000, info
+
+
+def make_env(name: str) -> gym.Env:
+    if name == "zero":
+        return ZeroEnv()
+    return gym.make({"cartpole": "CartPole-v1", "halfcheetah": "HalfCheetah-v5"}[name])
+
+
+# ----------------------------------------------------------------- the counted processes
+
+
+def wait_for_mark(label: str) -> None:
+    """Tell the counting process where we are, and wait until it has zeroed or dumped."""
+    print(label, flush=True)
+    sys.stdin.readline()
+
+
+def run_parent(env_name: str, k: int, steps: int) -> None:
+    from multienv import MultiEnv
+
+    fns = [lambda: make_env(env_name)] * 16
+    with MultiEnv(fns, envs_per_worker=k) as envs:
+        envs.reset(seed=0)
+        actions = [envs.action_space.sample() for _ in range(64)]
+        for t in range(50):
+            envs.step(actions[t % 64])
+        wait_for_mark("READY")
+        for t in range(steps):
+            envs.step(actions[t % 64])
+        wait_for_mark("DONE")
+
+
+def run_worker(env_name: str, steps: int, num_envs: int = 8) -> None:
+    import cloudpickle
+
+    from multienv import framing
+    from multienv.done_pipes import DoneNotifier
+    from multienv.runner import EnvRunner
+    from multienv.shared_memory import SharedBatch, SlotWriter
+    from multienv.worker import _Loop
+
+    probe = make_env(env_name)
+    shared = SharedBatch(probe.observation_space, probe.action_space, num_envs, [[0]])
+    layout = pickle.loads(pickle.dumps(shared.layout))  # as the worker receives it
+    assert shared.fd is not None
+    assert shared.actions is not None
+    fds = tuple(os.dup(fd) for fd in shared.done.worker_fds(0))
+    writer = SlotWriter(layout, os.dup(shared.fd), DoneNotifier(0, fds), range(num_envs))
+    runner = EnvRunner([cloudpickle.dumps(lambda: make_env(env_name))] * num_envs)
+    runner.build()
+    for position, env in enumerate(runner.envs):
+        env.reset(seed=position)
+    worker_end, parent_end = socket.socketpair()
+    parent_end.setblocking(False)
+    loop = _Loop(worker_end, runner)
+    loop.writer, loop.is_trimmed = writer, True
+    actions = [
+        np.asarray([probe.action_space.sample() for _ in range(num_envs)], shared.actions.dtype)
+        for _ in range(64)
+    ]
+    header_size = len(framing.frame(b""))
+    requests = [  # a step of every env, observations to slot 0 or 1: the payload the loop reads
+        framing.fast_batch_frame(
+            1,
+            framing.encode_items(
+                list(range(num_envs)),
+                framing.item_flags(
+                    np.zeros(num_envs, np.bool_), np.full(num_envs, slot), False, info_columns=True
+                ),
+            ),
+        )[header_size:]
+        for slot in (0, 1)
+    ]
+    done_read = shared.done.done_read(0)
+
+    def drain_replies() -> None:  # the first batch's reply (the info schema), resets' infos
+        try:
+            while parent_end.recv(65536):
+                pass
+        except BlockingIOError:
+            pass
+
+    def run(count: int) -> None:
+        for t in range(count):
+            shared.actions[:] = actions[t % 64]
+            loop._fast_batch(requests[t & 1])
+            shared.done.drain(done_read)
+            drain_replies()
+
+    run(50)
+    wait_for_mark("READY")
+    run(steps)
+    wait_for_mark("DONE")
+
+
+def count(tree: str, child: list[str], per: int) -> float:
+    """Run one counted process of checkout ``tree``; its instructions between the marks / per."""
+    python = os.path.realpath(sys.executable)  # not a shim: valgrind would count the shim
+    out_dir = tempfile.mkdtemp(prefix="multienv-callgrind-")
+    out = os.path.join(out_dir, "callgrind.out")
+    env = dict(os.environ, PYTHONPATH=tree, PYTHONHASHSEED="0")
+    command = [
+        "valgrind",
+        "--tool=callgrind",
+        "--trace-children=no",
+        f"--callgrind-out-file={out}",
+        python,
+        os.path.abspath(__file__),
+        "--child",
+        *child,
+    ]
+    try:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        assert process.stdin is not None
+        assert process.stdout is not None
+        for label, control in (("READY", "-z"), ("DONE", "-d")):
+            line = process.stdout.readline().strip()
+            if line != label:
+                process.kill()
+                raise RuntimeError(f"the counted process said {line!r}, expected {label}")
+            subprocess.run(
+                ["callgrind_control", control, str(process.pid)], check=True, capture_output=True
+            )
+            process.stdin.write("\n")
+            process.stdin.flush()
+        process.wait(timeout=600)
+        dumps = sorted(glob.glob(out + ".*"))  # the dump of -d; the exit dump has no suffix
+        text = open(dumps[0]).read()
+        match = re.search(r"^(?:summary|totals): (\d+)", text, re.MULTILINE)
+        assert match is not None
+        return int(match.group(1)) / per
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def main(args: Args) -> None:
+    if args.child:
+        side, env_name, k = args.child, args.env, int(args.layouts)
+        if side == "parent":
+            run_parent(env_name, k, args.steps)
+        else:
+            run_worker(env_name, args.steps)
+        return
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        sys.exit("valgrind is not installed: apt-get install valgrind")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = [("this", here)] + ([("baseline", args.baseline)] if args.baseline else [])
+    layouts = [int(k) for k in args.layouts.split(",")] if args.side == "parent" else [8]
+    unit = "vector step of 16 envs" if args.side == "parent" else "batch of 8 envs"
+    print(f"{args.side}, env {args.env}: instructions per {unit} ({args.steps} counted)")
+    for k in layouts:
+        counts = {}
+        for name, tree in trees:
+            child = [args.side, "--env", args.env, "--layouts", str(k), "--steps", str(args.steps)]
+            counts[name] = [count(tree, child, args.steps) for _ in range(args.repeats)]
+            shown = ", ".join(f"{value:,.0f}" for value in counts[name])
+            print(f"  k={k:<3} {name:9s} {shown}", flush=True)
+        if args.baseline:
+            ratio = np.median(counts["this"]) / np.median(counts["baseline"])
+            print(f"  k={k:<3} this/baseline {ratio:.3f}")
+
+
+def parse_args() -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for field in dataclasses.fields(Args):
+        parser.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
+    return Args(**vars(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main(parse_args())
