@@ -221,6 +221,7 @@ def test_vec_video_recorder_records_the_same_frames_as_on_subprocvecenv(tmp_path
 def test_ppo_learns_through_a_worker_sigkilled_mid_rollout():
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.logger import Logger
 
     class KillOnce(BaseCallback):
         def __init__(self) -> None:
@@ -237,6 +238,7 @@ def test_ppo_learns_through_a_worker_sigkilled_mid_rollout():
     try:
         callback = KillOnce()
         model = PPO("MlpPolicy", env, n_steps=128, batch_size=64, n_epochs=2, seed=0, device="cpu")
+        model.set_logger(Logger(folder=None, output_formats=[]))  # SB3's own leaves a /tmp dir
         model.learn(total_timesteps=2048, callback=callback)
         assert callback.killed == 2
         assert sum(row["restarts"] for row in env.stats()) == 2
