@@ -152,6 +152,13 @@ class DoneChannels:
         if deadline is not None:
             group.deadlines[worker_index] = deadline
 
+    def take(self, worker_index: int, is_counted: bool) -> int:
+        """The awaited record of the worker is in: take it, settling a counted batch; its kind."""
+        self.done_seq[worker_index] = 0
+        if is_counted:
+            self.settle(worker_index)
+        return self.done_kind[worker_index]
+
     def settle(self, worker_index: int) -> None:
         """The worker's counted batch was collected: the round waits for it no more."""
         group = self._group_of[worker_index]  # on every step of every worker: no call

@@ -157,11 +157,7 @@ def run_slice(
     sent = []
     for number, group in zip(numbers, groups, strict=True):
         try:
-            order = make_batch(group)
-            if isinstance(order, StepPlan):  # submit(), inline: every worker, every step
-                group.supervisor.submit_planned(order, group.index)
-                sent.append((number, group))
-            elif submit(group, order):
+            if submit(group, make_batch(group)):
                 sent.append((number, group))
         except Exception as exc:  # noqa: BLE001 - raised by the caller, lowest env index first
             outcome[number] = (None, dict.fromkeys(group.env_ids, exc))

@@ -248,10 +248,7 @@ class ProcessHandle:
         message = seat.planned_frame(plan, env_slice, is_counted)
         self._notify_seq = seat.seq
         self._is_counted = is_counted
-        try:  # _send, inline: this runs for every worker on every step
-            write_frame(self._fd, message)
-        except (*PIPE_ERRORS, OSError):
-            pass  # the worker is dead; _receive() sees its sentinel
+        self._send(message)
 
     def leave_round(self) -> None:
         """This worker's part of a round goes as a general batch, or not at all (``done_pipes``)."""
@@ -261,13 +258,11 @@ class ProcessHandle:
 
     def collect_planned(self, deadline: float | None) -> BatchResult | Death | None:
         """Wait for this worker's slice of a plan: None when all of it is in shared memory."""
-        seat, seq = self._seat, self._notify_seq
-        if seat.shared is not None and seq:  # the usual case: a round's record is in already
-            done, worker_index = seat.shared.done, seat.worker_index
-            if done.done_seq[worker_index] == seq and done.done_kind[worker_index] == DONE_OK:
-                done.done_seq[worker_index] = self._notify_seq = 0  # as _receive takes it
-                if self._is_counted:
-                    done.settle(worker_index)
+        shared, worker_index, seq = self._seat.shared, self._seat.worker_index, self._notify_seq
+        if shared is not None and seq and shared.done.done_seq[worker_index] == seq:
+            if shared.done.done_kind[worker_index] == DONE_OK:  # the usual case: no wait at all
+                self._notify_seq = 0
+                shared.done.take(worker_index, self._is_counted)
                 return PLANNED_OK
         reply = self._receive(deadline)
         if reply is _DONE_OK_REPLY:
@@ -368,11 +363,8 @@ class ProcessHandle:
         done = None if shared is None else shared.done
         while True:
             if seq and done is not None and done.done_seq[worker_index] == seq:
-                done.done_seq[worker_index] = 0
                 self._notify_seq = 0  # a late record of this batch must not answer a later one
-                if self._is_counted:
-                    done.settle(worker_index)
-                if done.done_kind[worker_index] == DONE_OK:
+                if done.take(worker_index, self._is_counted) == DONE_OK:
                     return _DONE_OK_REPLY
                 seq = 0  # the reply follows on our own pipe
             is_mate_late = False  # a wait in a round ended by another worker's deadline

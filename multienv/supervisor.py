@@ -86,6 +86,17 @@ def items_deadline(
     return batch_deadline(len(is_reset) - num_resets, num_resets, timeouts)
 
 
+def planned_deadline(
+    plan: StepPlan, env_slice: slice, timeouts: tuple[float | None, float | None]
+) -> float | None:
+    """``items_deadline`` of one worker's slice of a plan; no slice to count in the usual case."""
+    if timeouts == (None, None):
+        return None
+    if plan.num_resets:
+        return items_deadline(plan.is_reset[env_slice], timeouts)
+    return batch_deadline(env_slice.stop - env_slice.start, 0, timeouts)
+
+
 @dataclasses.dataclass
 class _Pending:
     """The call in flight on a worker."""
@@ -273,13 +284,7 @@ class WorkerSupervisor:
                 self._shm_handle.leave_round()  # its answer will not be counted
             self.submit(plan.batch(env_slice))
             return
-        timeouts = self._timeouts
-        if timeouts == (None, None):
-            deadline = None  # no slice of is_reset to count, on every step of every worker
-        elif plan.num_resets:
-            deadline = items_deadline(plan.is_reset[env_slice], timeouts)
-        else:
-            deadline = batch_deadline(env_slice.stop - env_slice.start, 0, timeouts)
+        deadline = planned_deadline(plan, env_slice, self._timeouts)
         pending = self._planned  # reused: this runs for every worker on every step
         pending.batch = pending.sent = None
         pending.plan, pending.plan_slice, pending.deadline = plan, env_slice, deadline
