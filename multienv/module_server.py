@@ -22,6 +22,10 @@ multiprocessing's forkserver instead (``multienv.forkserver``), which starts onl
 without it, a process runs no forkserver and no resource tracker, two Python processes
 that cost about 17 MiB.
 
+After ``start_forkserver()``, each vector that started from the server asks it to keep
+spares for the next one (``keep_spares``): workers forked ahead, which a launch takes
+without waiting for a fork (``module_server_process`` says how).
+
 ``ServedProcess`` behaves like a ``multiprocessing.Process`` for the handle: ``sentinel``
 (the status pipe the server writes the exit status to), ``exitcode``, ``join``, ``kill``.
 """
@@ -53,6 +57,7 @@ from multienv.module_server_process import (
     STATUS,
     ImportRequest,
     ServerStart,
+    SpareRequest,
     WorkerArgs,
 )
 
@@ -147,6 +152,7 @@ class ModuleServer:
         self._sock = ours
         self._lock = threading.Lock()
         self._is_ready = False
+        self._pending_import: int | None = None  # modules requested, answer not read yet
         flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
         path = [os.fspath(entry) for entry in sys.path if isinstance(entry, str | os.PathLike)]
         try:
@@ -169,6 +175,11 @@ class ModuleServer:
             raise
         atexit.register(self.close)  # the server exits at EOF; reaped, it warns of nothing
 
+    @property
+    def is_ready(self) -> bool:
+        """Whether the server answered that it serves."""
+        return self._is_ready
+
     def wait_ready(self) -> None:
         """Wait until the server has imported everything and serves.
 
@@ -180,18 +191,46 @@ class ModuleServer:
             if not self._is_ready:
                 raise OSError("the module server did not start")
 
-    def import_modules(self, modules: Sequence[str]) -> None:
+    def request_import(self, modules: Sequence[str]) -> None:
         """Have the server import ``modules``, so that the workers it forks next share them.
+
+        Its answer is read by ``settle``, which every launch calls first.
+
+        Raises:
+            OSError: It is gone.
+        """
+        request = pickle.dumps(ImportRequest(list(modules)), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._sock.send(request)
+            self._pending_import = len(modules)
+
+    def settle(self) -> None:
+        """Wait for the answer to an import request, if one is pending.
 
         Raises:
             OSError: It is gone, or it refused: the imports started a thread, so it forks no
                 more workers, and lives on for those it forked.
         """
-        request = pickle.dumps(ImportRequest(list(modules)), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._pending_import is None:
+            return
+        count, self._pending_import = self._pending_import, None
+        if self._answer() != READY:
+            raise OSError("the module server refused the env's modules")
+        logger.info("module server: imported %d modules", count)
+
+    def keep_spares(self, count: int) -> None:
+        """Have the server keep ``count`` workers forked ahead of their requests (no answer).
+
+        Raises:
+            OSError: It is gone.
+        """
+        request = pickle.dumps(SpareRequest(count), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             self._sock.send(request)
-            if self._answer() != READY:
-                raise OSError("the module server refused the env's modules")
 
     def _answer(self) -> bytes:
         """The server's next short answer, or b"" if it is gone or took too long."""
@@ -221,6 +260,7 @@ class ModuleServer:
         status_r, status_w = os.pipe()
         try:
             with self._lock:
+                self._settle()
                 socket.send_fds(
                     self._sock, [request], [child_conn.fileno(), stderr_write.fileno(), status_w]
                 )
@@ -258,6 +298,7 @@ class _ProcessState:
     has_failed: bool = False  # it could not start, or refused: workers use the forkserver
     learned: list[str] | None = None
     tried: bool = False  # the learned modules were sent to the server (or it had failed)
+    spares: int = 0  # the most spares the server may keep (``allow_spares``)
 
 
 _lock = threading.Lock()
@@ -351,15 +392,45 @@ def for_launch() -> ModuleServer | None:
             state.server = None
             _fall_back(state, exc)
             return None
-        if state.learned is not None and not state.tried:
-            state.tried = True
-            try:
-                server.import_modules(state.learned)
-            except OSError as exc:  # it stays for the workers it forked, if it lives
-                _fall_back(state, exc)
-                return None
-            logger.info("module server: imported %d modules", len(state.learned))
+        try:
+            _send_learned(state, server)
+            server.settle()
+        except OSError as exc:  # it stays for the workers it forked, if it lives
+            _fall_back(state, exc)
+            return None
     return server if server.is_alive() else None
+
+
+def allow_spares(limit: int) -> None:
+    """Let this process's server keep up to ``limit`` spares (``start_forkserver``'s)."""
+    with _lock:
+        _here().spares = limit
+
+
+def keep_spares(count: int) -> None:
+    """A vector of ``count`` workers from the server started: keep spares for the next one.
+
+    The server forks them while idle (``module_server_process``), having imported the
+    modules the vector's workers reported, which it is sent now rather than at the next
+    launch. Nothing happens without a ready server, or unless ``allow_spares`` allowed any.
+    """
+    with _lock:
+        state = _here()
+        server = state.server
+        if server is None or state.has_failed or not server.is_ready or state.spares == 0:
+            return
+        try:
+            _send_learned(state, server)
+            server.keep_spares(min(count, state.spares))
+        except OSError as exc:
+            _fall_back(state, exc)
+
+
+def _send_learned(state: _ProcessState, server: ModuleServer) -> None:
+    """Send the server the modules the first report named, once (answered by ``settle``)."""
+    if state.learned is not None and not state.tried:
+        state.tried = True
+        server.request_import(state.learned)
 
 
 def _fall_back(state: _ProcessState, exc: OSError) -> None:

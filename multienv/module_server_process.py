@@ -14,6 +14,14 @@ runs in it, and the wire both sides speak over a ``SOCK_SEQPACKET`` pair:
 3. ``WorkerArgs`` with three fds (the worker's pipe end, its stderr pipe, the write end of
    a status pipe): the server forks the worker and answers with its pid. When it reaps the
    child, it writes its exit status (the code, or minus the signal) into the status pipe.
+4. ``SpareRequest(count)``, not answered: keep ``count`` spares from now on (the most
+   workers one vector has started). A spare is a worker forked ahead of its request, waiting
+   on a socket of its own; a ``WorkerArgs`` then goes to a spare, with its fds, and the
+   server answers at once instead of after a fork (2 to 8 ms each on these VMs, one after
+   the other: most of a later vector's start-up at one env per worker). The server forks
+   spares only after ``SPARE_IDLE_S`` without a request, one at a time, so never while a
+   vector starts; and drops them whenever what workers inherit changes (an import, the
+   objects made immortal), for spares forked before would not share it.
 
 Workers forked after a probe share the server's objects without copying their pages: the
 server makes them immortal (``fork_source.immortalize_and_freeze``) once it has forked the
@@ -41,7 +49,6 @@ import struct
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -54,12 +61,15 @@ STATUS = struct.Struct("<i")  # a pid, or an exit status: the code, or minus the
 READY = b"ready"
 REFUSED = b"refused"
 MAX_REQUEST = 64 * 1024  # bytes; one datagram: factories and environment. Larger: forkserver
+SPARE_IDLE_S = 0.2  # the server forks a spare only after this long without a request
+MAX_SPARES = 64
 BOOTSTRAP = (
     "import sys; sys.path[:] = sys.argv[2:]; "
     "from multienv.module_server_process import main; main(int(sys.argv[1]))"
 )
 BASE_MODULES = ("numpy", "gymnasium", "cloudpickle", "multienv.worker")
 PROCESS_NAME = "multienv-server"  # its name in ps and top
+SPARE_NAME = "multienv-spare"  # a spare's, until it becomes a worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +87,13 @@ class ImportRequest:
     """Modules for the server to import before it forks more workers."""
 
     modules: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpareRequest:
+    """How many spares the server keeps from now on (``MAX_SPARES`` at most); no answer."""
+
+    count: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +141,14 @@ def serve(sock: socket.socket, owner_pid: int, main_failed: str | None) -> None:
         return  # the parent went while the server answered it
 
 
+@dataclasses.dataclass(frozen=True)
+class _Spare:
+    """A worker forked ahead of its request: it waits for one on the other end of ``sock``."""
+
+    pid: int
+    sock: socket.socket
+
+
 class _Server:
     """The server's state between requests: its children, and what it may still do."""
 
@@ -139,77 +164,145 @@ class _Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.is_refusing = False  # a thread runs: forking now could copy a lock held by it
         self.is_shared = False  # all the objects are immortal (a probe came first)
+        self.spares: list[_Spare] = []
+        self.spare_count = 0  # how many spares to keep (``SpareRequest``)
+        self.pid = os.getpid()  # what a child expects its parent to be
 
     def serve(self) -> None:
-        """Fork, import and reap until EOF on the socket, or until the owner dies."""
+        """Fork, import and reap until EOF on the socket, or until the owner dies.
+
+        Spares are forked when no request came for ``SPARE_IDLE_S``, one per turn of the
+        loop, so that a request never waits for more than one fork.
+        """
         sock_fd = self.sock.fileno()
         watched = [sock_fd, self.wake_r] + ([self.owner_fd] if self.owner_fd >= 0 else [])
+        idle_s = SPARE_IDLE_S
         while True:
-            ready, _, _ = select.select(watched, [], [])
+            wants_spare = len(self.spares) < self.spare_count and not self.is_refusing
+            ready, _, _ = select.select(watched, [], [], idle_s if wants_spare else None)
+            if not ready:
+                self._fork_spare()
+                idle_s = 0.0  # idle already: the next spare as soon as nothing is asked
+                continue
             if self.owner_fd in ready:
                 return  # the owner died; PR_SET_PDEATHSIG ends the workers
             if self.wake_r in ready:
                 os.read(self.wake_r, 4096)
-            _reap(self.status_fds)
+            self._reap()
             if sock_fd not in ready:
                 continue
+            idle_s = SPARE_IDLE_S
             message, fds, _, _ = socket.recv_fds(self.sock, 1 << 20, 3)
             if not message:
                 return  # the parent closed it
             request = pickle.loads(message)
             if isinstance(request, ImportRequest):
                 self._import(request)
+            elif isinstance(request, SpareRequest):
+                self.spare_count = max(self.spare_count, min(request.count, MAX_SPARES))
             elif self.is_refusing:  # the parent then starts the worker from the forkserver
                 for fd in fds:
                     os.close(fd)
                 self.sock.send(REFUSED)
             else:
-                self._fork(request, fds)
+                self._start_worker(message, request, fds)
 
     def _import(self, request: ImportRequest) -> None:
+        self._drop_spares()  # forked before the import, they would not share it
         import_modules(request.modules)
         self.is_refusing = threading.active_count() > 1
         if not self.is_refusing:  # the new objects: pages no worker shares yet
             worker_module().prepare_to_fork_workers(immortalize=True)
         self.sock.send(REFUSED if self.is_refusing else READY)
 
-    def _fork(self, args: WorkerArgs, fds: list[int]) -> None:
+    def _start_worker(self, message: bytes, args: WorkerArgs, fds: list[int]) -> None:
+        """Answer with the pid of a live spare, then hand it the request; or fork the worker.
+
+        The answer goes first: a spare woken on the server's core often runs before it, and
+        its start-up would delay the answer by milliseconds.
+        """
         child_fd, stderr_fd, status_fd = fds
-        server_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            server_fds = [self.wake_r, self.wake_w, status_fd, *self.status_fds.values()]
-            if self.owner_fd >= 0:
-                server_fds.append(self.owner_fd)
-            _run_child(
-                self.sock,
-                server_fds,
-                (child_fd, stderr_fd),
-                args,
-                (server_pid, self.owner_fd >= 0),
-                self.main_failed,
-            )
+        spare = self._live_spare()
+        if spare is not None:
+            self.sock.send(STATUS.pack(spare.pid))
+            self.status_fds[spare.pid] = status_fd
+            try:
+                socket.send_fds(spare.sock, [message], [child_fd, stderr_fd])
+            except OSError:  # it died just now: the parent reads its death as a start's
+                os.kill(spare.pid, signal.SIGKILL)
+            spare.sock.close()  # what was sent stays readable on the spare's end
+        else:
+            pid = os.fork()
+            if pid == 0:
+                watch = self._leave_for_child([status_fd])
+                _run_child((child_fd, stderr_fd), args, watch, self.main_failed)
+            self.status_fds[pid] = status_fd
+            self.sock.send(STATUS.pack(pid))
         os.close(child_fd)
         os.close(stderr_fd)
-        self.status_fds[pid] = status_fd
-        self.sock.send(STATUS.pack(pid))
         if args.is_probe and not self.is_shared:  # no worker but the probe shares the pages
             self.is_shared = True
+            self._drop_spares()
             immortalize_and_freeze(include_frozen=True)
             worker_module().release_free_memory()
 
+    def _live_spare(self) -> _Spare | None:
+        """Take a spare whose end of the socket is still open (it did not die); or None."""
+        while self.spares:
+            spare = self.spares.pop()
+            if not select.select([spare.sock], [], [], 0)[0]:  # no EOF: it waits
+                return spare
+            spare.sock.close()
+        return None
 
-def _reap(status_fds: dict[int, int]) -> None:
-    """Write the exit status of every child that ended into its status pipe."""
-    while status_fds:
+    def _fork_spare(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
+            pid = os.fork()
+        except OSError:  # no memory or no pids left: keep the spares there are
+            ours.close()
+            theirs.close()
+            self.spare_count = len(self.spares)
             return
         if pid == 0:
-            return
-        fd = status_fds.pop(pid, None)
-        if fd is not None:
+            ours.close()
+            watch = self._leave_for_child([])
+            _run_spare(theirs, watch, self.main_failed)
+        theirs.close()
+        self.spares.append(_Spare(pid, ours))
+
+    def _drop_spares(self) -> None:
+        """Close every spare's socket: each exits at EOF (and is reaped as any child)."""
+        for spare in self.spares:
+            spare.sock.close()
+        self.spares.clear()
+
+    def _leave_for_child(self, more_fds: list[int]) -> OwnerWatch:
+        """In a forked child: drop the server's fds and signal set-up; die with the server."""
+        watch = _watch_in_child(self.pid, self.owner_fd >= 0)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.sock.close()
+        for spare in self.spares:
+            spare.sock.close()
+        server_fds = [self.wake_r, self.wake_w, *more_fds, *self.status_fds.values()]
+        for fd in server_fds + ([self.owner_fd] if self.owner_fd >= 0 else []):
+            os.close(fd)
+        return watch
+
+    def _reap(self) -> None:
+        """Write the exit status of every child that ended into its status pipe."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            fd = self.status_fds.pop(pid, None)
+            if fd is None:  # a spare (dropped, or killed before it was used)
+                self.spares = [spare for spare in self.spares if spare.pid != pid]
+                continue
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             try:
                 os.write(fd, STATUS.pack(code))
@@ -245,30 +338,35 @@ def _watch_in_child(server_pid: int, is_watching: bool) -> OwnerWatch:
     return OwnerWatch.THREAD
 
 
-def _run_child(
-    sock: socket.socket,
-    server_fds: Sequence[int],
-    pipes: tuple[int, int],
-    args: WorkerArgs,
-    server: tuple[int, bool],
-    main_failed: str | None,
-) -> None:
-    """In the forked worker: drop the server's fds and signal set-up, then run the worker.
+def _run_spare(sock: socket.socket, watch: OwnerWatch, main_failed: str | None) -> None:
+    """In a spare: wait for a request on ``sock``, then run it as a worker; exit at EOF."""
+    code = 1
+    try:
+        worker_module().set_process_name(SPARE_NAME)
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+        sock.close()
+        if not message:  # dropped by the server
+            code = 0
+            return
+        _run_child((fds[0], fds[1]), pickle.loads(message), watch, main_failed)
+    except BaseException:  # noqa: BLE001 - reported on the server's stderr, then the exit code
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
-    ``pipes``: the worker's pipe end and its stderr pipe. ``server``: the server's pid, and
-    whether it watches the owner. ``main_failed``: the user's script, if it raised in the
-    server: the worker imports it again and reports what it raises, as it would under
-    multiprocessing.
+
+def _run_child(
+    pipes: tuple[int, int], args: WorkerArgs, watch: OwnerWatch, main_failed: str | None
+) -> None:
+    """In the forked worker, which left the server (``_Server._leave_for_child``): run it.
+
+    ``pipes``: the worker's pipe end and its stderr pipe. ``main_failed``: the user's
+    script, if it raised in the server: the worker imports it again and reports what it
+    raises, as it would under multiprocessing.
     """
     code = 1
     child_fd, stderr_fd = pipes
     try:
-        watch = _watch_in_child(*server)
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        sock.close()
-        for fd in server_fds:
-            os.close(fd)
         if args.cwd != os.getcwd():
             os.chdir(args.cwd)
         if args.environ is not None:

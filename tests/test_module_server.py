@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+import multienv
+from tests.conftest import wait_until_dead
 from tests.test_fork_source import needs_immortal_objects
 from tests.test_forkserver import run_python
 
@@ -490,3 +492,88 @@ def test_a_module_server_killed_before_it_serves_leaves_the_first_vector_to_the_
     assert all("multiprocessing.forkserver" in command for command in report["commands"])
     assert report["obs"] == [1.0, 1.0, 1.0]
     assert "module server did not start; workers start from the forkserver" in done.stderr
+
+
+_SPARES_SCRIPT = """
+import json, os, signal, sys, time
+import numpy as np
+import multienv
+from multienv import MultiEnv, module_server
+from multienv.procfs import process_table
+from tests.conftest import wait_until_dead
+from tests.envs import CountingEnv
+
+def spares(server, count, within_s=10.0):
+    deadline = time.monotonic() + within_s
+    while True:
+        table = process_table()
+        found = sorted(pid for pid, entry in table.items()
+                       if entry.ppid == server and entry.name == "multienv-spare")
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+if True:  # run with -c: no script file for workers to import
+    multienv.start_forkserver(spares=int(sys.argv[1]))
+    n = 3
+    report = {}
+    with MultiEnv([lambda: CountingEnv(episode_length=1000)] * n) as first:
+        first.reset(seed=0)
+        server = module_server.running()._process.pid
+        wait_s = 3.0 if sys.argv[1] == "0" else 10.0  # none come: 15 times SPARE_IDLE_S
+        report["after_first"] = ahead = spares(server, n, within_s=wait_s)
+        if ahead:
+            os.kill(ahead[0], signal.SIGKILL)  # dead before its request: never handed one
+            wait_until_dead(ahead[:1])
+        with MultiEnv([lambda: CountingEnv(episode_length=1000)] * n) as later:
+            later.reset(seed=0)
+            report["later"] = [proxy.pid for proxy in later.envs]
+            table = process_table()
+            report["later_parents"] = [table[pid].ppid for pid in report["later"]]
+            refilled = spares(server, n)
+            os.kill(later.envs[1].pid, signal.SIGKILL)
+            wait_until_dead(report["later"][1:2])
+            obs, rewards, terminations, truncations, infos = later.step(np.ones(n, dtype=np.int64))
+            assert truncations.tolist() == [False, True, False], truncations
+            obs, *_ = later.step(np.ones(n, dtype=np.int64))
+            report["obs"] = obs.ravel().tolist()
+            report["respawned"] = later.envs[1].pid
+            report["refilled"] = refilled
+        report["server"] = server
+    print(json.dumps(report))
+"""
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(60)
+def test_later_vectors_and_respawns_take_the_spares_the_server_forked_ahead():
+    done = run_python(["-c", _SPARES_SCRIPT, "64"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    # As many spares as the first vector had workers; one was killed before its turn.
+    assert len(report["after_first"]) == 3
+    assert report["later"][0] not in report["after_first"][:1]
+    taken = set(report["later"]) & set(report["after_first"][1:])
+    assert len(taken) == 2, report  # the two live spares, and one fork
+    assert set(report["later_parents"]) == {report["server"]}
+    assert report["respawned"] in report["refilled"]  # a respawn takes a spare too
+    assert report["obs"] == [2.0, 0.0, 2.0]  # env 1 reset after its truncation
+    # Spares die with the server, which exits with its parent (the script).
+    wait_until_dead(report["refilled"], within_s=10.0)
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_no_spare_is_forked_with_spares_0():
+    done = run_python(["-c", _SPARES_SCRIPT, "0"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["after_first"] == []
+    assert report["refilled"] == []
+    assert report["obs"] == [2.0, 0.0, 2.0]  # env 1 reset after its truncation
+
+
+@pytest.mark.timeout(30)
+def test_start_forkserver_refuses_a_negative_number_of_spares():
+    with pytest.raises(ValueError, match="spares must be an int >= 0, got -1"):
+        multienv.start_forkserver(spares=-1)
