@@ -529,12 +529,17 @@ envs.close()
 """
 
 
-# A later vector of the same process: its workers fork from the module server at once.
+# A later vector of the same process, as a training script makes one (start_forkserver() at
+# its top, then some work between vectors): its workers are the module server's spares,
+# which it forks after 0.2 s without a request.
 _LATER_CODE = """
 import functools, statistics, time, gymnasium as gym
+import multienv
 from multienv import MultiEnv
+multienv.start_forkserver()
 envs = {build}
 envs.reset(seed=0)
+time.sleep(0.5)
 envs.close()
 times = []
 for _ in range(3):
@@ -542,6 +547,7 @@ for _ in range(3):
     envs = {build}
     envs.reset(seed=0)
     times.append(time.perf_counter() - began)
+    time.sleep(0.5)
     envs.close()
 print(statistics.median(times))
 """
