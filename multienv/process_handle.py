@@ -355,7 +355,7 @@ class ProcessHandle:
         process, seat = self._process, self._seat
         shared = seat.shared
         if self._is_closing.is_set():
-            raise ClosedEnvironmentError(f"env {self._env_index}: closed while a call was waiting.")
+            raise _closed_while_waiting(self._env_index)
         if process is None:
             return Death("unknown")
         seq = self._notify_seq
@@ -385,9 +385,7 @@ class ProcessHandle:
             except (OSError, ValueError):
                 events = [(process.sentinel, 0)]  # close() on another thread closed the pipe
             if self._is_closing.is_set():
-                raise ClosedEnvironmentError(
-                    f"env {self._env_index}: closed while a call was waiting."
-                )
+                raise _closed_while_waiting(self._env_index)
             fds = [fd for fd, _ in events]
             is_timeout = not fds
             if done is not None and (is_timeout or done_read in fds):
@@ -399,7 +397,7 @@ class ProcessHandle:
                 if not fds and not is_timeout:
                     continue  # records of other workers only
             if self._is_counted and fds:
-                fds = self._note_deaths_in_round(fds, process.sentinel)
+                fds = _note_deaths_in_round(seat, fds, (self._fd, process.sentinel))
                 if not fds:
                     continue
             if self._fd in fds:
@@ -446,16 +444,6 @@ class ProcessHandle:
         events: list[tuple[int, int]] = poller.poll(timeout_ms)
         return events
 
-    def _note_deaths_in_round(self, fds: list[int], sentinel: int) -> list[int]:
-        """Give up the tokens of the round's other workers whose death ``fds`` show."""
-        seat = self._seat
-        assert seat.shared is not None
-        done = seat.shared.done
-        for fd in fds:
-            if fd not in (self._fd, sentinel):
-                done.leave_round(seat.worker_index, sentinel=fd)
-        return [fd for fd in fds if fd in (self._fd, sentinel)]
-
     def _leave_round_dead(self) -> None:
         """The worker died in a round: give its token up (a second one costs one wake-up)."""
         if self._is_counted and self._seat.shared is not None and self._process is not None:
@@ -463,6 +451,22 @@ class ProcessHandle:
             self._seat.shared.done.leave_round(
                 self._seat.worker_index, sentinel=self._process.sentinel
             )
+
+
+def _note_deaths_in_round(seat: WorkerSeat, fds: list[int], own: tuple[int, int]) -> list[int]:
+    """Give up the tokens of the round's other workers whose death ``fds`` show.
+
+    Returns the fds of ``fds`` that are the worker's own (``own``: its pipe and sentinel).
+    """
+    assert seat.shared is not None
+    for fd in fds:
+        if fd not in own:
+            seat.shared.done.leave_round(seat.worker_index, sentinel=fd)
+    return [fd for fd in fds if fd in own]
+
+
+def _closed_while_waiting(env_index: int) -> ClosedEnvironmentError:
+    return ClosedEnvironmentError(f"env {env_index}: closed while a call was waiting.")
 
 
 def _describe_exit(exitcode: int | None) -> str:
