@@ -30,6 +30,11 @@ PufferLib returns views, and so do the rows "multienv k=N/2 views" (``copy=False
 many workers as cores, and with one worker, which leaves a core to the parent: it then
 polls for the worker's answers too.
 
+"bare probe k=N/2" and "bare probe k=... spin" are the floor of multienv's best sleeping and
+hot layouts on this machine: the same forked workers, shared memory and wake-ups with
+nothing else (``scripts/bare_probe.py``). "x probe" is each row's ratio to the probe of its
+way of waiting (spin rows to the spinning one), within each round.
+
 Every sample runs in a fresh process; implementations are interleaved in rounds; each
 figure is the median over rounds, and each ratio is the median of the ratios measured
 within one round, so a noisy neighbour slows both sides of a ratio alike. "cores" is how
@@ -367,7 +372,19 @@ def implementations(n: int, workload: str = "cheap") -> list[str]:
     # hot mode at its fastest, returning views as PufferLib does
     names += [f"multienv k={k} views spin" for k in spin_layouts(n)]
     names.append("multienv async k=1")
+    names += probe_layouts(n)
     return names
+
+
+def probe_layouts(n: int) -> list[str]:
+    """The bare probe's rows: multienv's best sleeping and hot layouts, without multienv."""
+    return [f"bare probe k={max(1, n // 2)}", f"bare probe k={spin_layouts(n)[0]} spin"]
+
+
+def probe_of(name: str, n: int) -> str:
+    """The probe row a multienv row is read against: the one of its way of waiting."""
+    sleeping, hot = probe_layouts(n)
+    return hot if name.split()[-1] == "spin" else sleeping
 
 
 def spin_layouts(n: int) -> list[int]:
@@ -406,6 +423,11 @@ def run_implementation(
         return run_pufferlib(fns, int(name.rpartition("=")[2]), steps, bank)
     if name == "multienv async k=1":
         return run_multienv_async(fns, steps, bank)
+    if name.startswith("bare probe k="):
+        from bare_probe import BareProbe  # scripts/, beside this file
+
+        k, _, variant = name.removeprefix("bare probe k=").partition(" ")
+        return run_vector(lambda: BareProbe(fns, int(k), variant == "spin", bank[0]), steps, bank)
     k, _, variant = name.rpartition("=")[2].partition(" ")
     words = variant.split()
     options: dict[str, Any] = {"copy": "views" not in words}
@@ -434,6 +456,7 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
         kept.add(f"multienv k={max(1, n // 2)}")
         for k in spin_layouts(n):
             kept.update((f"multienv k={k} spin", f"multienv k={k} views spin"))
+        kept.update(probe_layouts(n))
         names = [name for name in names if name in kept]
     if args.pinned:
         names += [
@@ -492,6 +515,9 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
             row["x_puffer_best"] = ratio(best)
         if "EnvPool" in samples:
             row["x_envpool"] = ratio([v["steps_per_s"] for v in samples["EnvPool"]])
+        probe = probe_of(name.removesuffix(" @baseline"), n)
+        if probe in samples:  # the same layout's floor on this machine, this round
+            row["x_probe"] = ratio([v["steps_per_s"] for v in samples[probe]])
         rows[name] = row
     return rows
 
@@ -499,10 +525,12 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
 def print_table(workload: str, n: int, rows: dict[str, Any]) -> None:
     has_puffer = any("x_puffer_best" in row for row in rows.values())
     has_envpool = any("x_envpool" in row for row in rows.values())
+    has_probe = any("x_probe" in row for row in rows.values())
     print(f"\n{workload}, N={n}")
     header = f"{'implementation':<26}{'steps/s':>10}{'x loop':>8}{'x Async':>9}"
     header += f"{'x Puffer':>10}" if has_puffer else ""
     header += f"{'x EnvPool':>10}" if has_envpool else ""
+    header += f"{'x probe':>9}" if has_probe else ""
     print(header + f"{'cores':>7}{'CPU us/step':>13}")
     for name, row in rows.items():
         line = f"{name:<26}{row['steps_per_s']:>10,.0f}{row['x_loop']:>8.2f}{row['x_async']:>9.2f}"
@@ -510,6 +538,8 @@ def print_table(workload: str, n: int, rows: dict[str, Any]) -> None:
             line += f"{row['x_puffer_best']:>10.2f}"
         if has_envpool:
             line += f"{row['x_envpool']:>10.2f}"
+        if has_probe:
+            line += f"{row['x_probe']:>9.2f}" if "x_probe" in row else f"{'':>9}"
         line += f"{row['cores_busy']:>7.2f}{row['cpu_us_per_step']:>13.1f}"
         if "x_this_vs_baseline" in row:
             line += f"  this/baseline {row['x_this_vs_baseline']:.3f}"
