@@ -30,10 +30,11 @@ PufferLib returns views, and so do the rows "multienv k=N/2 views" (``copy=False
 many workers as cores, and with one worker, which leaves a core to the parent: it then
 polls for the worker's answers too.
 
-"bare probe k=N/2" and "bare probe k=... spin" are the floor of multienv's best sleeping and
-hot layouts on this machine: the same forked workers, shared memory and wake-ups with
-nothing else (``scripts/bare_probe.py``). "x probe" is each row's ratio to the probe of its
-way of waiting (spin rows to the spinning one), within each round.
+"bare probe k=1", "bare probe k=N/2" and "bare probe k=... spin" are the floor of multienv's
+sleeping layouts and of its best hot one on this machine: the same forked workers, shared
+memory and wake-ups with nothing else (``scripts/bare_probe.py``). "x probe" is each row's
+ratio to the probe of its way of waiting (spin rows to the spinning one; k=1 rows to k=1),
+within each round.
 
 Every sample runs in a fresh process; implementations are interleaved in rounds; each
 figure is the median over rounds, and each ratio is the median of the ratios measured
@@ -377,14 +378,18 @@ def implementations(n: int, workload: str = "cheap") -> list[str]:
 
 
 def probe_layouts(n: int) -> list[str]:
-    """The bare probe's rows: multienv's best sleeping and hot layouts, without multienv."""
-    return [f"bare probe k={max(1, n // 2)}", f"bare probe k={spin_layouts(n)[0]} spin"]
+    """The bare probe's rows: multienv's sleeping layouts k=1 and k=N/2, and its best hot one."""
+    sleeping = [f"bare probe k={k}" for k in sorted({1, max(1, n // 2)})]
+    return [*sleeping, f"bare probe k={spin_layouts(n)[0]} spin"]
 
 
 def probe_of(name: str, n: int) -> str:
-    """The probe row a multienv row is read against: the one of its way of waiting."""
-    sleeping, hot = probe_layouts(n)
-    return hot if name.split()[-1] == "spin" else sleeping
+    """The probe row a row is read against: its way of waiting, and k=1 for k=1 rows."""
+    words = name.split()
+    *sleeping, hot = probe_layouts(n)
+    if words[-1] == "spin":
+        return hot
+    return sleeping[0] if "k=1" in words else sleeping[-1]
 
 
 def spin_layouts(n: int) -> list[int]:
