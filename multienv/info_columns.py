@@ -178,6 +178,9 @@ class _Known:
         return infos
 
 
+_NO_ROWS = _Known(InfoSchema((), ()), (), (), ())  # ``_whole_schema``: no env has a row
+
+
 def _as_slice(cells: list[int]) -> slice | np.ndarray:
     """Cells that follow each other as a slice (a view, not a copy), else an index array."""
     if cells == list(range(cells[0], cells[0] + len(cells))):
@@ -239,6 +242,8 @@ class ColumnReader:
         if not pickled and isinstance(fresh, slice) and fresh == _ALL:
             # the usual step: every env, one schema; whole columns, one copy per dtype
             known = self._whole_schema()
+            if known is _NO_ROWS:  # no env returned an info (CartPole): no arrays at all
+                return {}
             if known is not None:
                 return known.whole_columns(self._floats, self._ints)
         local = self._ids[fresh]
@@ -271,13 +276,18 @@ class ColumnReader:
         return infos
 
     def _whole_schema(self) -> _Known | None:
-        """The schema of every env's row, if they all have the same one; else None."""
+        """The schema of every env's row, if they all have the same one; else None.
+
+        ``_NO_ROWS`` when no env's row holds an info.
+        """
         ids = self._ids.tobytes()
         if ids in self._whole:
             return self._whole[ids]
         global_ids = self._table[self._worker_of_env, self._ids]
         first = int(global_ids[0])
         known = self._known[first] if first and (global_ids == first).all() else None
+        if not global_ids.any():
+            known = _NO_ROWS
         if len(self._whole) >= _MAX_WHOLE:
             self._whole.clear()
         self._whole[ids] = known

@@ -81,6 +81,25 @@ def test_rows_merge_exactly_as_add_info_for_every_info_shape(worker_of_env):
                 assert merged[key].dtype == gymnasium.merge(infos_by_env)[key].dtype, key
 
 
+def test_a_step_without_infos_after_one_with_rows_and_back_merges_as_add_info():
+    writers, reader = _columns(4, [0, 0, 1, 1])
+    gymnasium = _Gymnasium(4)
+    steps = [{}, {1: {"x": 1.5}}, {}, {e: {"x": 0.5} for e in range(4)}, {}, {2: {"n": 3}}]
+    for step, infos_by_env in enumerate(steps):
+        for env_index in range(4):
+            writer = writers[env_index // 2]
+            info = infos_by_env.get(env_index)
+            if info is None:
+                writer.clear(env_index)
+            else:
+                assert writer.write(env_index, info)
+        for worker_index, writer in enumerate(writers):
+            reader.register(worker_index, writer.take_pending())
+        merged = reader.merge({}, slice(None), gymnasium._add_info)
+        assert_same_tree(merged, gymnasium.merge(infos_by_env), f"step {step}")
+        assert bool(merged) == bool(infos_by_env)
+
+
 def test_an_int_beyond_int64_is_pickled_instead():
     writers, _reader = _columns(1, [0])
     assert not writers[0].write(0, {"n": 2**70})
