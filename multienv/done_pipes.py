@@ -20,7 +20,9 @@ its record to the done pipe at once, as every batch did before rounds.
 
 The rules that keep a round from losing its wake-up:
 
-- the parent drains stale tokens before it puts a round's in;
+- the parent drains stale tokens before it puts a round's in, unless it collected every
+  worker of the group's last round from its counted record: each of those took a token or
+  found none after its batch, so none is left (``open_round``);
 - a worker of the round that will not finish a counted batch (its step falls back to a
   general batch, or is not sent, or the worker is dead) has its token given up by the
   parent (``leave_round``);
@@ -65,6 +67,7 @@ class _Group:
     tokens: tuple[int, int]
     sentinels: dict[int, int] = dataclasses.field(default_factory=dict)  # worker -> sentinel
     deadlines: dict[int, float] = dataclasses.field(default_factory=dict)  # worker -> deadline
+    collected: int = 0  # workers of the round collected from their counted records
 
 
 class DoneChannels:
@@ -134,7 +137,9 @@ class DoneChannels:
             group.deadlines.clear()
             if group.size < 2:
                 continue
-            _drain(group.tokens[0])
+            if group.collected < group.size:  # else the last round took every token
+                _drain(group.tokens[0])
+            group.collected = 0
             os.write(group.tokens[1], bytes(group.size - 1))
 
     def is_counted(self, worker_index: int) -> bool:
@@ -156,16 +161,21 @@ class DoneChannels:
         """The awaited record of the worker is in: take it, settling a counted batch; its kind."""
         self.done_seq[worker_index] = 0
         if is_counted:
-            self.settle(worker_index)
+            self.settle(worker_index, is_collected=True)
         return self.done_kind[worker_index]
 
-    def settle(self, worker_index: int) -> None:
-        """The worker's counted batch was collected: the round waits for it no more."""
+    def settle(self, worker_index: int, is_collected: bool = False) -> None:
+        """The round waits for the worker's counted batch no more.
+
+        ``is_collected``: its record was read (else the worker died, or was given up).
+        """
         group = self._group_of[worker_index]  # on every step of every worker: no call
         assert group is not None
         group.sentinels.pop(worker_index, None)
         if group.deadlines:
             group.deadlines.pop(worker_index, None)
+        if is_collected:
+            group.collected += 1
 
     def round_deadline(self, worker_index: int) -> float | None:
         """The earliest deadline of the other workers of the round whose records are not in."""

@@ -17,8 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from multienv import MultiEnv
+from multienv import MultiEnv, done_pipes
 from multienv.done_pipes import DoneChannels, DoneNotifier
+from multienv.done_pipes import _drain as _real_drain
 from multienv.framing import DONE_OK, DONE_REPLY
 from tests.envs import HangOnStep, QuietSlowReset, SleepyEnv
 
@@ -71,6 +72,40 @@ def test_in_a_round_only_the_last_worker_to_finish_wakes_the_parent(channels, wo
         assert channels.done_seq[:3] == [round_number] * 3
         assert channels.done_kind[:3] == [DONE_OK, DONE_REPLY, DONE_OK]
         assert not is_woken(channels, 0)
+
+
+def collect_round(channels: DoneChannels, workers, seq: int, order=(2, 0, 1)) -> None:
+    """Each worker finishes batch ``seq`` in ``order``; only the last wakes; all are taken."""
+    for w in order[:-1]:
+        workers[w].notify(seq, DONE_OK, is_counted=True)
+        assert not is_woken(channels, 0), f"worker {w} of round {seq} woke the parent"
+    workers[order[-1]].notify(seq, DONE_OK, is_counted=True)
+    assert is_woken(channels, 0)
+    channels.drain(channels.done_read(0))
+    assert [channels.take(w, is_counted=True) for w in range(3)] == [DONE_OK] * 3
+
+
+def test_after_a_round_collected_whole_the_tokens_are_not_drained(channels, workers, monkeypatch):
+    drained = []
+
+    def counting_drain(read_fd: int) -> None:
+        drained.append(read_fd)
+        _real_drain(read_fd)
+
+    monkeypatch.setattr(done_pipes, "_drain", counting_drain)
+    for seq in range(1, 5):
+        open_round(channels, seq)
+        collect_round(channels, workers, seq)
+    assert len(drained) == 1  # before the first round only: none was left after each round
+
+
+def test_a_token_left_by_a_round_not_collected_whole_is_drained(channels, workers):
+    open_round(channels, 1)
+    workers[0].notify(1, DONE_OK, is_counted=True)  # takes one of the two tokens
+    channels.drain(channels.done_read(0))
+    channels.take(0, is_counted=True)  # workers 1 and 2 never answer: one token is left
+    open_round(channels, 2)
+    collect_round(channels, workers, 2)  # with the stale token, nobody would wake it
 
 
 def test_a_batch_outside_a_round_wakes_the_parent_at_once(channels):
