@@ -384,10 +384,13 @@ def probe_layouts(n: int) -> list[str]:
 
 
 def probe_of(name: str, n: int) -> str:
-    """The probe row a row is read against: its way of waiting, and k=1 for k=1 rows."""
+    """The probe row a row is read against: its way of waiting, and k=1 for k=1 rows.
+
+    PufferLib's workers and parent spin: its rows are read against the spinning probe.
+    """
     words = name.split()
     *sleeping, hot = probe_layouts(n)
-    if words[-1] == "spin":
+    if words[-1] == "spin" or name.startswith("PufferLib"):
         return hot
     return sleeping[0] if "k=1" in words else sleeping[-1]
 
