@@ -285,9 +285,11 @@ class ColumnReader:
             return self._whole[ids]
         global_ids = self._table[self._worker_of_env, self._ids]
         first = int(global_ids[0])
-        known = self._known[first] if first and (global_ids == first).all() else None
+        known: _Known | None = None
         if not global_ids.any():
             known = _NO_ROWS
+        elif first and (global_ids == first).all():
+            known = self._known[first]
         if len(self._whole) >= _MAX_WHOLE:
             self._whole.clear()
         self._whole[ids] = known

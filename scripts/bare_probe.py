@@ -40,6 +40,13 @@ _TIMEOUT_MS = 60_000  # a step this late means a worker is stuck: the probe give
 class _Shared:
     """The arrays that both sides map: actions in, results out, and the spinners' counters."""
 
+    actions: np.ndarray
+    obs: np.ndarray
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    steps: np.ndarray
+
     def __init__(self, n: int, workers: int, actions: np.ndarray, space: gym.spaces.Box) -> None:
         fields = [
             ("actions", actions.dtype, actions.shape),
@@ -58,13 +65,6 @@ class _Shared:
         for (name, dtype, shape), offset in zip(fields, offsets, strict=True):
             array = np.ndarray(shape, dtype=dtype, buffer=self.memory, offset=offset)
             setattr(self, name, array)
-
-    actions: np.ndarray
-    obs: np.ndarray
-    rewards: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
-    steps: np.ndarray
 
 
 class BareProbe:
@@ -120,7 +120,7 @@ class BareProbe:
             self.poller.register(process.sentinel, select.POLLIN)
         self._round()  # every worker's first round: its envs are built and reset
 
-    def reset(self, seed: Any = None) -> np.ndarray:
+    def reset(self) -> np.ndarray:
         """The observations the workers' first resets wrote (the envs are reset once only)."""
         return self.shared.obs.copy()
 

@@ -431,13 +431,12 @@ def run_implementation(
         return run_pufferlib(fns, int(name.rpartition("=")[2]), steps, bank)
     if name == "multienv async k=1":
         return run_multienv_async(fns, steps, bank)
+    k, _, variant = name.rpartition("=")[2].partition(" ")  # "... k=8 views spin"
+    words = variant.split()
     if name.startswith("bare probe k="):
         from bare_probe import BareProbe  # scripts/, beside this file
 
-        k, _, variant = name.removeprefix("bare probe k=").partition(" ")
-        return run_vector(lambda: BareProbe(fns, int(k), variant == "spin", bank[0]), steps, bank)
-    k, _, variant = name.rpartition("=")[2].partition(" ")
-    words = variant.split()
+        return run_vector(lambda: BareProbe(fns, int(k), "spin" in words, bank[0]), steps, bank)
     options: dict[str, Any] = {"copy": "views" not in words}
     if variant in ("pinned", "unpinned"):  # else multienv decides (pinned: a CPU each)
         options["pin_cpu"] = variant == "pinned"
