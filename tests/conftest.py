@@ -1,12 +1,15 @@
-"""Fixtures, and the session-wide check that no worker process outlives the tests."""
+"""Fixtures, and the session-wide checks: no worker outlives the tests, no collection hangs."""
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
+import gc
 import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 
 import pytest
@@ -134,6 +137,46 @@ def layout(request) -> Layout:
     if chosen.backend == "ray":
         request.getfixturevalue("ray_cluster")
     return chosen
+
+
+COLLECTION_HANG_S = 30.0  # no garbage collection of the suite takes a tenth of this
+
+
+class CollectionWatchdog:
+    """Ends the session, failed, if one garbage collection runs past ``COLLECTION_HANG_S``.
+
+    A ``__del__`` or finalizer that deadlocks (a dropped vector closing through a thread
+    pool, issue #45) would otherwise hang the suite for good: pytest-timeout's exception,
+    raised inside the finalizer, is swallowed by the collector. The watchdog prints every
+    thread's stack, then exits with status 3.
+    """
+
+    def __init__(self) -> None:
+        self.started: float | None = None  # when the collection in progress began
+        # pytest's capture owns fd 2 during a test; the report goes where the session's does.
+        self.stderr_fd = os.dup(2)
+        gc.callbacks.append(self.note)
+        threading.Thread(target=self.watch, name="gc-watchdog", daemon=True).start()
+
+    def note(self, phase: str, info: dict) -> None:
+        self.started = time.monotonic() if phase == "start" else None
+
+    def watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            started = self.started
+            if started is not None and time.monotonic() - started > COLLECTION_HANG_S:
+                message = (
+                    f"\nmultienv tests: a garbage collection has run for {COLLECTION_HANG_S:.0f} s;"
+                    " a __del__ or finalizer hangs. Every thread's stack:\n"
+                )
+                os.write(self.stderr_fd, message.encode())
+                faulthandler.dump_traceback(self.stderr_fd, all_threads=True)
+                os._exit(3)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    CollectionWatchdog()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
