@@ -28,7 +28,7 @@ from multienv import forkserver, framing, module_server, stderr_relay
 from multienv.framing import MessageReader, decode, encode
 from multienv.handles import Death
 from multienv.module_server_process import WorkerArgs
-from multienv.process_reaper import PIPE_ERRORS, stop_process
+from multienv.process_reaper import PIPE_ERRORS, kill_now, stop_process
 from multienv.protocol import Command, OwnerWatch, Reply, Request, worker_main
 from multienv.stderr_relay import StderrPipe
 from multienv.worker_settings import WorkerSettings
@@ -159,6 +159,7 @@ class Standby:
         self._is_closing = is_closing
         self._launched: Launched | None = None
         self._ready: Reply | None = None  # the worker's first reply; None if dead or slow
+        self._is_abandoned = False  # abandon(): the waiter kills what it launches
         self._waiter = threading.Thread(
             target=self._run, name=f"multienv-standby-{recipe.env_index}", daemon=True
         )
@@ -185,6 +186,13 @@ class Standby:
         if launched is None and self._launched is not None:  # it was being launched
             self._launched.kill()
 
+    def abandon(self) -> None:
+        """Kill the standby now if it was launched, else once it is; no wait (``abandon``)."""
+        self._is_abandoned = True
+        launched = self._launched
+        if launched is not None:
+            kill_now(launched.process)
+
     def _run(self) -> None:
         """Launch the worker, wait for its envs, attach it to the vector."""
         try:
@@ -195,6 +203,9 @@ class Standby:
             )
             return
         self._launched = launched
+        if self._is_abandoned:
+            launched.kill()
+            return
         if self._is_closing.is_set():
             return  # stop() stops it
         link = self._link_payload(launched.process.pid or 0)
@@ -257,8 +268,8 @@ def attach(
         send_handle(conn, memory_fd, pid)
         for fd in done_fds:
             send_handle(conn, fd, pid)
-    except PIPE_ERRORS:
-        pass  # the worker is dead; receive() sees its sentinel
+    except (*PIPE_ERRORS, OSError):
+        pass  # the worker is dead, or a standby's pipe was closed by stop(); receive() tells
     reply = receive()
     return reply if isinstance(reply, Death) else None
 
