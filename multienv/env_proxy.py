@@ -8,7 +8,10 @@ docstring holds the failure table; its counters are read from the supervisor's
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -38,6 +41,15 @@ class RemoteEnv(gym.Env[Any, Any]):
         self.position = position
         self._is_closed = False
         self._sent: str | None = None  # "step" or "reset": what send_*() sent, for recv_*()
+        # Dropped unclosed (collected, or alive at exit), the proxy kills its worker without
+        # waiting; close(), or a vector that adopts the proxy, detaches this.
+        self._finalizer = weakref.finalize(
+            self,
+            abandon_workers,
+            [supervisor],
+            f"{type(self).__name__}(env {supervisor.env_indices[position]})",
+            position,
+        )
 
     @property
     def supervisor(self) -> WorkerSupervisor:
@@ -124,12 +136,12 @@ class RemoteEnv(gym.Env[Any, Any]):
         if self._is_closed:
             return
         self._is_closed = True
+        self._finalizer.detach()
         self._supervisor.close_env(self.position, timeout)
 
-    def __del__(self) -> None:
-        """Close the env if the proxy was fully constructed."""
-        if "_is_closed" in self.__dict__:
-            self.close(timeout=1.0)
+    def detach_finalizer(self) -> None:
+        """A vector adopted this proxy: the vector's finalizer kills the worker if dropped."""
+        self._finalizer.detach()
 
     # ----------------------------------------------------------------- env API
 
@@ -241,6 +253,29 @@ class RemoteEnv(gym.Env[Any, Any]):
     def _request(self, command: Command, payload: Any) -> Any:
         self._check_open(command.name.lower())
         return self._supervisor.request(self.position, command, payload)
+
+
+def abandon_workers(
+    supervisors: Sequence[WorkerSupervisor], name: str, position: int | None = None
+) -> None:
+    """Kill the workers of a vector or proxy dropped without ``close()``, and warn.
+
+    A ``weakref.finalize`` callback: it runs from the garbage collector, in whatever thread
+    triggered it, or at exit, so it takes no lock, starts no thread and waits for nothing
+    (``WorkerSupervisor.abandon``). The workers' envs are not closed. ``position``: a
+    proxy's env, whose worker goes only once none of its envs is open.
+    """
+    if position is not None:
+        is_killed = any([supervisor.abandon_env(position) for supervisor in supervisors])
+    else:
+        is_killed = any([supervisor.abandon() for supervisor in supervisors])
+    if is_killed:
+        warnings.warn(
+            f"unclosed {name}: its workers were killed; close it with close() or a with "
+            "block, so that its envs close too",
+            ResourceWarning,
+            stacklevel=1,  # no caller to name: the collector or the exit runs it
+        )
 
 
 def check_state(state: Any, description: EnvDescription, env_index: int) -> None:

@@ -78,6 +78,15 @@ class WorkerHandle(Protocol):
     def stop(self, timeout_s: float) -> None:
         """Ask the worker to close its envs and exit; kill it after ``timeout_s``. Idempotent."""
 
+    def abandon(self) -> None:
+        """Kill the worker (and a standby) now, for a vector or proxy dropped without ``close()``.
+
+        It may run in any thread, from the garbage collector or at exit: it takes no lock,
+        starts no thread and waits for nothing, not even the worker's end. A thread waiting on
+        the worker then raises ``ClosedEnvironmentError``. What the handle holds (pipes,
+        sentinels) is released with the handle. Idempotent.
+        """
+
     def prestart(self) -> None:
         """Start a standby worker, which the next ``spawn()`` takes over; idempotent."""
 

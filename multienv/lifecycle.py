@@ -97,6 +97,7 @@ class WorkerLife:
         self.state = EnvState.CREATED  # written by set_state() only
         self.descriptions: list[EnvDescription] = []  # of the envs, once the worker is ready
         self.is_closing = threading.Event()
+        self.is_abandoned = False  # abandon(): like is_closing, set without the Event's lock
         self._init_deadline: float | None = None
         self._broken_error: EnvCrashedError | None = None
 
@@ -119,6 +120,8 @@ class WorkerLife:
 
     def spawn(self) -> None:
         """Launch a worker, which starts building its envs; returns without waiting."""
+        if self.is_abandoned:  # dropped while a thread was respawning it
+            raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
         self._handle.spawn()
         self._stats.note_spawn()
         self._on_spawn()
@@ -142,7 +145,7 @@ class WorkerLife:
             EnvCrashLoopError: The budget is spent (``EnvCrashedError`` if it allows none).
         """
         while True:
-            if self.is_closing.is_set():  # a worker seen dying as close() stops it
+            if self.is_closing.is_set() or self.is_abandoned:  # seen dying as it is closed
                 raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
             self._bury(cause)
             self.spawn()
@@ -156,15 +159,33 @@ class WorkerLife:
         """``env 3`` or ``envs 3-5``: the worker's envs, for messages."""
         return envs_text(self._env_indices)
 
-    def set_state(self, new: EnvState) -> None:
-        """Move to ``new``, which must be a legal move from the current state."""
+    def set_state(self, new: EnvState, *, is_logged: bool = True) -> None:
+        """Move to ``new``, which must be a legal move from the current state.
+
+        ``is_logged=False`` for ``abandon``, which may not take the logging module's locks.
+        """
         if new not in TRANSITIONS[self.state]:
             raise EnvStateError(
                 f"{self.envs_text()}: illegal state move {self.state.name} -> {new.name}",
                 env_index=self._env_indices[0],
             )
-        logger.debug("%s: %s -> %s", self.envs_text(), self.state.name, new.name)
+        if is_logged:
+            logger.debug("%s: %s -> %s", self.envs_text(), self.state.name, new.name)
         self.state = new
+
+    def abandon(self) -> bool:
+        """Kill the worker now and move to ``CLOSED``, with no lock, log or wait; idempotent.
+
+        For a worker whose vector or proxy was dropped without ``close()``: it runs from the
+        garbage collector or at exit, in whatever thread that is. Returns whether there was
+        anything to close.
+        """
+        if self.state is EnvState.CLOSED:
+            return False
+        self.is_abandoned = True
+        self._handle.abandon()
+        self.set_state(EnvState.CLOSED, is_logged=False)
+        return True
 
     def _handshake(self) -> str | None:
         """Wait for the worker's envs; return a cause of death, or None when ready."""
@@ -201,5 +222,5 @@ class WorkerLife:
             self.set_state(EnvState.BROKEN)
             raise delay
         self._stats.note_restart()
-        if delay and self.is_closing.wait(delay):
+        if delay and (self.is_closing.wait(delay) or self.is_abandoned):
             raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")

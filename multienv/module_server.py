@@ -43,6 +43,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from multiprocessing import spawn
 from multiprocessing.connection import Connection
@@ -85,6 +86,9 @@ class ServedProcess:
             self._pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
             self._pidfd = None
+        # close() runs it; so does the collector, for a worker dropped unclosed (abandon).
+        self._close_fds = weakref.finalize(self, _close_fds, status_fd, self._pidfd)
+        self._close_fds.atexit = False
 
     @property
     def exitcode(self) -> int | None:
@@ -128,10 +132,14 @@ class ServedProcess:
 
     def close(self) -> None:
         """Release the status pipe and the pidfd."""
-        for fd in (self.sentinel, self._pidfd):
-            if fd is not None and fd >= 0:
-                os.close(fd)
+        self._close_fds()
         self.sentinel, self._pidfd = -1, None
+
+
+def _close_fds(status_fd: int, pidfd: int | None) -> None:
+    os.close(status_fd)
+    if pidfd is not None:
+        os.close(pidfd)
 
 
 class ModuleServer:

@@ -113,18 +113,18 @@ def main(fd: int) -> None:
     """The server process: set up from the parent's ``ServerStart``, then serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C, as in workers
     worker_module().set_process_name(PROCESS_NAME)
-    sock = socket.socket(fileno=fd)
-    start: ServerStart = pickle.loads(sock.recv(1 << 20))
-    sys.argv[:] = start.argv
-    import_modules([*BASE_MODULES, *start.preload])
-    # A script that failed here fails again in each worker, which reports it.
-    main_failed = None if import_main(start.main_path) else start.main_path
-    if threading.active_count() > 1:
-        sock.send(REFUSED)
-        return
-    worker_module().prepare_to_fork_workers()
-    sock.send(READY)
-    serve(sock, start.owner_pid, main_failed)
+    with socket.socket(fileno=fd) as sock:  # closed at the end: a script may warn of it
+        start: ServerStart = pickle.loads(sock.recv(1 << 20))
+        sys.argv[:] = start.argv
+        import_modules([*BASE_MODULES, *start.preload])
+        # A script that failed here fails again in each worker, which reports it.
+        main_failed = None if import_main(start.main_path) else start.main_path
+        if threading.active_count() > 1:
+            sock.send(REFUSED)
+            return
+        worker_module().prepare_to_fork_workers()
+        sock.send(READY)
+        serve(sock, start.owner_pid, main_failed)
 
 
 def serve(sock: socket.socket, owner_pid: int, main_failed: str | None) -> None:

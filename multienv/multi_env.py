@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -26,7 +27,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from multienv import vector_checks
 from multienv.assembly import Assembly, StepBatch
 from multienv.autoreset import Autoreset
-from multienv.env_proxy import RemoteEnv
+from multienv.env_proxy import RemoteEnv, abandon_workers
 from multienv.errors import (
     EnvError,
     EnvStateError,
@@ -191,6 +192,17 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         if self._can_plan:
             for group in groups:
                 self._assembly.counters.adopt(group.supervisor.stats, group.index)
+        # Dropped unclosed (collected, or alive at exit), the vector kills its workers at
+        # once, without waiting (``abandon_workers``); close() detaches this. It replaces the
+        # proxies' own finalizers, so that one warning names the vector.
+        for proxy in proxies:
+            proxy.detach_finalizer()
+        self._finalizer = weakref.finalize(
+            self,
+            abandon_workers,
+            [group.supervisor for group in groups],
+            f"MultiEnv(num_envs={self.num_envs})",
+        )
 
     # ----------------------------------------------------------------- vector API
 
@@ -347,8 +359,9 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         ``terminate`` and other keywords of ``AsyncVectorEnv.close`` are accepted; the
         workers are always stopped within ``timeout`` (then killed).
         """
-        if "_assembly" not in self.__dict__:
+        if "_finalizer" not in self.__dict__:
             return
+        self._finalizer.detach()
         for pending, state in ((self._pending, "step"), (self._pending_reset, "reset")):
             if pending is not None:
                 warnings.warn(
@@ -374,11 +387,6 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
     def __exit__(self, *exc_info: object) -> None:
         """Close the envs."""
         self.close()
-
-    def __del__(self) -> None:
-        """Close the envs if the object was fully constructed."""
-        if "_assembly" in self.__dict__ and not self.closed:
-            self.close(timeout=1.0)
 
     # ----------------------------------------------------------------- internals
 

@@ -42,7 +42,13 @@ from multienv.process_launch import (
     poll_ms,
     send_attach,
 )
-from multienv.process_reaper import PIPE_ERRORS, RETIRE_TIMEOUT_S, reaper, stop_process
+from multienv.process_reaper import (
+    PIPE_ERRORS,
+    RETIRE_TIMEOUT_S,
+    kill_now,
+    reaper,
+    stop_process,
+)
 from multienv.procfs import resident_mb
 from multienv.protocol import (
     PLANNED_OK,
@@ -86,6 +92,8 @@ class ProcessHandle:
         self._stderr_tail: deque[str] = deque()  # kept once the pipe is closed
         self._is_attach_sent = False  # begin_link sent ATTACH to the current worker
         self._is_closing = threading.Event()
+        # Set by abandon(), which may not take the Event's lock; read with _is_closing.
+        self._is_abandoned = False
         self._standby: Standby | None = None  # a recycle's replacement, started ahead
         self._ready_reply: Reply | None = None  # a standby's, for the handshake after spawn
         self._reaped: list[threading.Event] = []  # set when a retired worker is gone
@@ -198,6 +206,21 @@ class ProcessHandle:
         for reaped in self._reaped:
             reaped.wait(max(0.0, timeout_s - (time.monotonic() - began)) + RETIRE_TIMEOUT_S)
         self._reaped.clear()
+
+    def abandon(self) -> None:
+        """Kill the worker and its standby now, with no lock, thread or wait (``WorkerHandle``).
+
+        The worker is not reaped here: a served worker's server reaps it, and
+        multiprocessing reaps its own children at their next start or at exit. The pipes
+        close with their objects, once no thread waits on them.
+        """
+        self._is_abandoned = True
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.abandon()
+        process = self._process
+        if process is not None:
+            kill_now(process)
 
     def _release(self) -> None:
         self._is_attach_sent = False
@@ -354,7 +377,7 @@ class ProcessHandle:
         """
         process, seat = self._process, self._seat
         shared = seat.shared
-        if self._is_closing.is_set():
+        if self._is_closing.is_set() or self._is_abandoned:
             raise _closed_while_waiting(self._env_index)
         if process is None:
             return Death("unknown")
@@ -384,7 +407,7 @@ class ProcessHandle:
                         events = self._poller.poll(poll_ms(wake_at, time.monotonic()))
             except (OSError, ValueError):
                 events = [(process.sentinel, 0)]  # close() on another thread closed the pipe
-            if self._is_closing.is_set():
+            if self._is_closing.is_set() or self._is_abandoned:
                 raise _closed_while_waiting(self._env_index)
             fds = [fd for fd, _ in events]
             is_timeout = not fds

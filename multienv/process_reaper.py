@@ -8,6 +8,7 @@ own, so that the step that swaps a worker never waits for the old one to exit.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -40,10 +41,21 @@ def stop_process(
             process.join(5.0)
     finally:
         conn.close()
-        if stderr is not None:
-            stderr.join(1.0)  # its EOF arrives once the worker's fd 2 is closed
+        if stderr is not None and not sys.is_finalizing():
+            # Its EOF arrives once the worker's fd 2 is closed, and the relay thread reads
+            # it; while the interpreter finalizes, that daemon thread is frozen.
+            stderr.join(1.0)
         if process.exitcode is not None:
             process.close()
+
+
+def kill_now(process: BaseProcess) -> None:
+    """SIGKILL a worker unless it has ended; no wait, no reaping, no lock (``abandon``)."""
+    try:
+        if process.exitcode is None:
+            process.kill()
+    except (OSError, ValueError, AttributeError):
+        pass  # gone, closed, or never started: nothing to kill
 
 
 class Reaper:

@@ -168,6 +168,7 @@ class ActorHandle:
         self._batch: Batch | None = None
         self._tail: tuple[str, ...] = ()
         self._is_closing = threading.Event()
+        self._is_abandoned = False  # set by abandon(), which may not take the Event's lock
         self._standby: tuple[Any, Any] | None = None  # (actor, its build ref), started ahead
         self._reapers: list[threading.Thread] = []  # closing retired actors
 
@@ -270,6 +271,19 @@ class ActorHandle:
         if actor is not None:
             _close_and_kill(actor, self._env_index, timeout_s if is_built else 0.0, local_pid)
 
+    def abandon(self) -> None:
+        """Kill the actor and the standby without waiting (``WorkerHandle``); Ray reaps them."""
+        self._is_abandoned = True
+        standby, self._standby = self._standby, None
+        actor = self._actor
+        self._forget()
+        for dropped in (actor, None if standby is None else standby[0]):
+            if dropped is not None:
+                try:
+                    _ray().kill(dropped, no_restart=True)
+                except Exception as exc:  # noqa: BLE001 - already gone, or Ray shut down
+                    logger.debug("env %d: ray.kill: %s", self._env_index, exc)
+
     def _detach(self) -> tuple[Any, int | None]:
         """Forget the current actor; return it, and its pid when it runs on this node."""
         actor, pid = self._actor, self._pid
@@ -320,7 +334,7 @@ class ActorHandle:
         """The value of the call in flight, or the actor's death (a timeout kills it)."""
         ray, ref = _ray(), self.in_flight
         if ref is None:
-            if self._is_closing.is_set():  # stop() dropped the call; not a death
+            if self._is_closing.is_set() or self._is_abandoned:  # dropped the call: no death
                 raise self._closed_while_waiting()
             return Death("unknown")
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -332,7 +346,7 @@ class ActorHandle:
             self._tail = tuple(str(exc).splitlines())
             logger.debug("env %d: Ray actor pid %s: %s", self._env_index, self._pid, exc)
             value = Death(death_cause(exc))
-        if self._is_closing.is_set():
+        if self._is_closing.is_set() or self._is_abandoned:
             raise self._closed_while_waiting()
         self.in_flight = None
         if isinstance(value, Death) and value.cause == "timeout":

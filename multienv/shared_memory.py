@@ -27,6 +27,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -198,6 +199,9 @@ class SharedBatch:
             np.arange(num_envs) if worker_of_env is None else np.asarray(worker_of_env),
         )
         self.done = DoneChannels(worker_groups)  # how the workers say a fast batch is done
+        # close() runs it; so does the collector, for a vector dropped unclosed.
+        self._release = weakref.finalize(self, _release, self._mapping, self.fd, self.done)
+        self._release.atexit = False  # the process's end frees all of it
 
     def next_slots(self, env_ids: Any) -> np.ndarray:
         """The slot each env's next observation goes to: never the one the caller saw last."""
@@ -277,11 +281,15 @@ class SharedBatch:
 
     def close(self) -> None:
         """Close the memory file; the memory is freed once no worker or view maps it."""
-        self._mapping.release()
-        if self.fd is not None:
-            os.close(self.fd)
-            self.done.close()
-            self.fd = None
+        self._release()
+        self.fd = None
+
+
+def _release(mapping: _Mapping, fd: int, done: DoneChannels) -> None:
+    """Unmap the buffers and close the memory file and the done pipes, once."""
+    mapping.release()
+    os.close(fd)
+    done.close()
 
 
 class SlotWriter:

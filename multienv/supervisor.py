@@ -221,6 +221,19 @@ class WorkerSupervisor:
         self._life.set_state(EnvState.CLOSED)
         failure_log.flush()  # the failures still counted, not yet told
 
+    def abandon(self) -> bool:
+        """Kill the worker and close, waiting for nothing; whether it was open (``WorkerLife``)."""
+        self._open_positions.clear()
+        return self._life.abandon()
+
+    def abandon_env(self, position: int) -> bool:
+        """One env's proxy was dropped unclosed: abandon the worker once all its envs are gone.
+
+        Returns whether the worker was abandoned now.
+        """
+        self._open_positions.discard(position)
+        return not self._open_positions and self._life.abandon()
+
     def close_env(self, position: int, timeout: float | None = None) -> None:
         """One env's proxy is closed; the worker stops once all of its envs are."""
         self._open_positions.discard(position)

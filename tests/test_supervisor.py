@@ -39,6 +39,7 @@ class FakeHandle:
         self.replies: deque[Any] = deque()  # per collect/collect_batch
         self.spawns = 0
         self.kills = 0
+        self.abandons = 0
         self.retired = 0
         self.prestarts = 0
         self.sent: list[Any] = []
@@ -78,6 +79,9 @@ class FakeHandle:
 
     def stop(self, timeout_s: float) -> None:
         pass
+
+    def abandon(self) -> None:
+        self.abandons += 1
 
     def prestart(self) -> None:
         self.prestarts += 1
@@ -285,3 +289,17 @@ def test_close_is_idempotent_and_later_calls_raise_closed() -> None:
     supervisor.close()
     with pytest.raises(gym.error.ClosedEnvironmentError):
         supervisor.submit(steps(1))
+
+
+def test_abandon_kills_the_worker_once_when_its_last_env_is_dropped() -> None:
+    handle = FakeHandle(num_envs=2)
+    supervisor = ready(handle)
+    assert not supervisor.abandon_env(0)  # env 1 is still open
+    assert (handle.abandons, supervisor.state) == (0, EnvState.READY)
+    assert supervisor.abandon_env(1)
+    assert (handle.abandons, supervisor.state) == (1, EnvState.CLOSED)
+    assert not supervisor.abandon()  # idempotent, and close() after it too
+    supervisor.close()
+    assert handle.abandons == 1
+    with pytest.raises(gym.error.ClosedEnvironmentError):
+        supervisor.submit(steps(2))
