@@ -2,6 +2,9 @@
 
 Run:
     python scripts/count_instructions.py                    # parent, zero-cost env, k=1 and k=8
+    python scripts/count_instructions.py --env cartpole --num-envs 64 --workers 2,4,8,16
+                                         # the parent per step by worker count, beside the
+                                         # bare probe's parent (scripts/bare_probe.py)
     python scripts/count_instructions.py --side worker      # one worker's batch of 8 envs
     python scripts/count_instructions.py --baseline /tmp/old   # the same for another checkout
                                          # (e.g. git worktree add /tmp/old HEAD~1)
@@ -14,10 +17,14 @@ the same count each run for a worker's loop, within a few percent for the parent
 path depends on when the workers answer. Kernel time, cache misses and wake-ups are not
 counted, so a change that trades one for instructions still needs ``scripts/bench.py``.
 
-``--side parent``: a ``MultiEnv`` of N=16 envs, default mode; only the parent process runs
-under callgrind (the workers fork from a server it starts, outside valgrind). The counters
-are zeroed after a warm-up and dumped after ``--steps`` vector steps, so start-up is not
-counted. ``--side worker``: one worker's fast-batch loop (``worker._Loop._fast_batch``)
+``--side parent``: a ``MultiEnv`` of N envs (``--num-envs``, 16 by default), default mode;
+only the parent process is counted (the workers fork from a server it starts, outside
+valgrind). The counters are zeroed after a warm-up and dumped after ``--steps`` vector
+steps, so start-up is not counted. Each layout is also counted for the bare probe of the
+same layout (its parent only: its forked workers run under valgrind too, slowly, uncounted),
+and the last line gives each one's instructions per added worker.
+
+``--side worker``: one worker's planned steps (``worker._Loop._fast_batch``)
 stepping k=8 envs, run in this process on the vector's real shared memory and done pipes,
 counted the same way. Envs: ``zero`` (no work; HalfCheetah's spaces and its info of four
 floats), ``cartpole`` and ``halfcheetah`` (``pip install -e ".[bench]"``).
@@ -46,6 +53,8 @@ class Args:
     side: str = "parent"  # "parent" (per vector step of N=16) or "worker" (per batch of 8)
     env: str = "zero"  # zero, cartpole or halfcheetah
     layouts: str = "1,8"  # --side parent: the envs_per_worker values to count
+    workers: str = ""  # --side parent: worker counts to count instead (k = ceil(N / W))
+    num_envs: int = 16  # --side parent: envs in the vector
     steps: int = 400  # vector steps (parent) or batches (worker) counted
     repeats: int = 1  # counts per checkout and layout
     baseline: str = ""  # another checkout of multienv, counted the same way
@@ -88,19 +97,38 @@ def wait_for_mark(label: str) -> None:
     sys.stdin.readline()
 
 
-def run_parent(env_name: str, k: int, steps: int) -> None:
+def count_steps(step, actions: list, steps: int) -> None:
+    """Warm up, then the counted steps between the two marks."""
+    for t in range(50):
+        step(actions[t % 64])
+    wait_for_mark("READY")
+    for t in range(steps):
+        step(actions[t % 64])
+    wait_for_mark("DONE")
+
+
+def run_parent(env_name: str, k: int, steps: int, num_envs: int = 16) -> None:
     from multienv import MultiEnv
 
-    fns = [lambda: make_env(env_name)] * 16
+    fns = [lambda: make_env(env_name)] * num_envs
     with MultiEnv(fns, envs_per_worker=k) as envs:
         envs.reset(seed=0)
-        actions = [envs.action_space.sample() for _ in range(64)]
-        for t in range(50):
-            envs.step(actions[t % 64])
-        wait_for_mark("READY")
-        for t in range(steps):
-            envs.step(actions[t % 64])
-        wait_for_mark("DONE")
+        count_steps(envs.step, [envs.action_space.sample() for _ in range(64)], steps)
+
+
+def run_probe(env_name: str, k: int, steps: int, num_envs: int) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bare_probe import BareProbe
+
+    fns = [lambda: make_env(env_name)] * num_envs
+    space = gym.vector.utils.batch_space(make_env(env_name).action_space, num_envs)
+    actions = [space.sample() for _ in range(64)]
+    probe = BareProbe(fns, k, False, actions[0])
+    try:
+        probe.reset()
+        count_steps(probe.step, actions, steps)
+    finally:
+        probe.close()
 
 
 def run_worker(env_name: str, steps: int, num_envs: int = 8) -> None:
@@ -131,17 +159,10 @@ def run_worker(env_name: str, steps: int, num_envs: int = 8) -> None:
         np.asarray([probe.action_space.sample() for _ in range(num_envs)], shared.actions.dtype)
         for _ in range(64)
     ]
-    header_size = len(framing.frame(b""))
-    requests = [  # a step of every env, observations to slot 0 or 1: the payload the loop reads
-        framing.fast_batch_frame(
-            1,
-            framing.encode_items(
-                list(range(num_envs)),
-                framing.item_flags(
-                    np.zeros(num_envs, np.bool_), np.full(num_envs, slot), False, info_columns=True
-                ),
-            ),
-        )[header_size:]
+    flags = [  # a step of every env, observations to slot 0 or 1: what the parent writes
+        framing.item_flags(
+            np.zeros(num_envs, np.bool_), np.full(num_envs, slot), False, info_columns=True
+        )
         for slot in (0, 1)
     ]
     done_read = shared.done.done_read(0)
@@ -156,7 +177,10 @@ def run_worker(env_name: str, steps: int, num_envs: int = 8) -> None:
     def run(count: int) -> None:
         for t in range(count):
             shared.actions[:] = actions[t % 64]
-            loop._fast_batch(requests[t & 1])
+            shared.plan_flags[:] = flags[t & 1]
+            shared.done.expect(0, t % 255 + 1)
+            seq, items = writer.planned_items()  # as the loop does on a PLANNED_STEP
+            loop._fast_batch(seq, items, False, True)
             shared.done.drain(done_read)
             drain_replies()
 
@@ -217,7 +241,9 @@ def main(args: Args) -> None:
     if args.child:
         side, env_name, k = args.child, args.env, int(args.layouts)
         if side == "parent":
-            run_parent(env_name, k, args.steps)
+            run_parent(env_name, k, args.steps, args.num_envs)
+        elif side == "probe":
+            run_probe(env_name, k, args.steps, args.num_envs)
         else:
             run_worker(env_name, args.steps)
         return
@@ -225,25 +251,47 @@ def main(args: Args) -> None:
         sys.exit("valgrind is not installed: apt-get install valgrind")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = [("this", here)] + ([("baseline", args.baseline)] if args.baseline else [])
-    layouts = [int(k) for k in args.layouts.split(",")] if args.side == "parent" else [8]
-    unit = "vector step of 16 envs" if args.side == "parent" else "batch of 8 envs"
+    n = args.num_envs
+    if args.side != "parent":
+        layouts = [8]
+    elif args.workers:
+        layouts = [-(-n // int(w)) for w in args.workers.split(",")]
+    else:
+        layouts = [int(k) for k in args.layouts.split(",")]
+    if args.side == "parent":
+        trees.append(("probe", here))
+    unit = f"vector step of {n} envs" if args.side == "parent" else "batch of 8 envs"
     print(f"{args.side}, env {args.env}: instructions per {unit} ({args.steps} counted)")
+    medians: dict[str, list[tuple[int, float]]] = {name: [] for name, _ in trees}
     for k in layouts:
         counts = {}
         for name, tree in trees:
-            child = [args.side, "--env", args.env, "--layouts", str(k), "--steps", str(args.steps)]
+            side = "probe" if name == "probe" else args.side
+            child = [side, "--env", args.env, "--layouts", str(k), "--steps", str(args.steps)]
+            child += ["--num-envs", str(n)]
             counts[name] = [count(tree, child, args.steps) for _ in range(args.repeats)]
+            medians[name].append((-(-n // k), float(np.median(counts[name]))))
             shown = ", ".join(f"{value:,.0f}" for value in counts[name])
-            print(f"  k={k:<3} {name:9s} {shown}", flush=True)
+            print(f"  W={-(-n // k):<3} k={k:<3} {name:9s} {shown}", flush=True)
         if args.baseline:
             ratio = np.median(counts["this"]) / np.median(counts["baseline"])
             print(f"  k={k:<3} this/baseline {ratio:.3f}")
+        if "probe" in counts:
+            ratio = np.median(counts["this"]) / np.median(counts["probe"])
+            print(f"  k={k:<3} this/probe {ratio:.2f}")
+    if len(layouts) > 1:
+        for name, rows in medians.items():
+            (w0, first), (w1, last) = min(rows), max(rows)
+            if w1 > w0:
+                growth = (last - first) / (w1 - w0)
+                print(f"  {name}: {growth:,.0f} instructions per added worker (W={w0} to {w1})")
 
 
 def parse_args() -> Args:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for field in dataclasses.fields(Args):
-        parser.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
+        flag = f"--{field.name.replace('_', '-')}"
+        parser.add_argument(flag, dest=field.name, type=type(field.default), default=field.default)
     return Args(**vars(parser.parse_args()))
 
 
