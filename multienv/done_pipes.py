@@ -44,6 +44,13 @@ Records are pipe data, not flags in shared memory: a pipe is ordered for every r
 record read is one whose results are all in shared memory, on any CPU. The parent keeps only
 the record of the batch it is waiting for from each worker (``expect``): a record from an
 earlier batch, in either pipe, is dropped.
+
+A planned step (``framing.PLANNED_STEP``) is also answered in shared memory: after its
+record, a worker that has everything in shared memory writes the step's seq into its
+*status* (``DoneNotifier.notify``), before it takes a token or wakes the parent. So once the
+parent is woken by a round's last worker, every worker's status is visible, and a vector's
+step reads them as one array (``data_plane``). The quiet pipe's write (or, for a worker
+alone in its group, the done pipe's) orders the results before the status on any CPU.
 """
 
 from __future__ import annotations
@@ -52,7 +59,9 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-from multienv.framing import DONE_RECORD
+import numpy as np
+
+from multienv.framing import DONE_OK, DONE_RECORD
 
 _DRAIN_BYTES = 65536
 
@@ -75,13 +84,18 @@ class DoneChannels:
 
     Args:
         worker_groups: The worker indices of each group (one collecting thread each).
+        seqs: Where the seq each worker's batch in flight has is kept, by worker index (the
+            vector's shared memory, which planned steps read); None: an array of its own.
 
     Attributes:
+        seqs: Per worker, the seq of the batch the parent awaits (``expect``).
         done_seq: Per worker, the seq of the awaited batch once its record is read, else 0.
         done_kind: Per worker, the kind of that record.
     """
 
-    def __init__(self, worker_groups: Sequence[Sequence[int]]) -> None:
+    def __init__(
+        self, worker_groups: Sequence[Sequence[int]], seqs: np.ndarray | None = None
+    ) -> None:
         """Open three pipes per group; the parent's read ends and the tokens never block."""
         num_workers = sum(len(group) for group in worker_groups)
         self._groups: list[_Group] = []
@@ -95,7 +109,7 @@ class DoneChannels:
             self._by_done_read[group.done[0]] = group
             for worker_index in workers:
                 self._group_of[worker_index] = group
-        self._awaited = [0] * num_workers
+        self.seqs = np.zeros(num_workers, dtype=np.uint8) if seqs is None else seqs
         self.done_seq = [0] * num_workers
         self.done_kind = [0] * num_workers
 
@@ -110,7 +124,7 @@ class DoneChannels:
 
     def expect(self, worker_index: int, seq: int) -> None:
         """The worker was sent fast batch ``seq``: only its record counts from now on."""
-        self._awaited[worker_index] = seq
+        self.seqs[worker_index] = seq
 
     def drain(self, done_read: int) -> None:
         """Read the records in the done and quiet pipes of that group; keep the awaited ones.
@@ -180,7 +194,7 @@ class DoneChannels:
     def round_deadline(self, worker_index: int) -> float | None:
         """The earliest deadline of the other workers of the round whose records are not in."""
         deadlines = self._group(worker_index).deadlines
-        awaited, done_seq = self._awaited, self.done_seq
+        awaited, done_seq = self.seqs, self.done_seq
         late = [
             deadline
             for other, deadline in deadlines.items()
@@ -233,18 +247,38 @@ class DoneChannels:
         return group
 
     def _read_records(self, read_fd: int) -> None:
-        awaited, done_seq, done_kind = self._awaited, self.done_seq, self.done_kind
         while True:
             try:
                 data = os.read(read_fd, _DRAIN_BYTES)
             except BlockingIOError:
                 return
-            for worker_index, seq, kind in DONE_RECORD.iter_unpack(data):
-                if seq == awaited[worker_index]:
-                    done_seq[worker_index] = seq
-                    done_kind[worker_index] = kind
+            self.note_records(data)
             if len(data) < _DRAIN_BYTES:
                 return
+
+    def note_records(self, data: bytes) -> None:
+        """Keep the awaited records among ``data``, records read from a group's pipes."""
+        awaited, done_seq, done_kind = self.seqs.tolist(), self.done_seq, self.done_kind
+        for worker_index, seq, kind in DONE_RECORD.iter_unpack(data):
+            if seq == awaited[worker_index]:
+                done_seq[worker_index] = seq
+                done_kind[worker_index] = kind
+
+    def pipes(self) -> tuple[int, int, int, int]:
+        """The one group's done and quiet read ends, token write end and size (``data_plane``).
+
+        Raises:
+            ValueError: The vector has several groups.
+        """
+        if len(self._groups) != 1:
+            raise ValueError("a data plane needs the workers in one group")
+        group = self._groups[0]
+        return group.done[0], group.quiet[0], group.tokens[1], group.size
+
+    def drain_tokens(self) -> None:
+        """Drop the tokens left in every group's pipe (``data_plane``, before its rounds)."""
+        for group in self._groups:
+            _drain(group.tokens[0])
 
 
 class DoneNotifier:
@@ -257,19 +291,30 @@ class DoneNotifier:
 
     def __init__(self, worker_index: int, fds: tuple[int, int, int]) -> None:
         """Keep the fds."""
-        self._worker_index = worker_index
+        self.worker_index = worker_index
         self._done_fd, self._quiet_fd, self._tokens_fd = fds
+        self.status: np.ndarray | None = None  # the vector's status array, once it is mapped
 
-    def notify(self, seq: int, kind: int, is_counted: bool) -> None:
-        """Tell the parent batch ``seq`` is done; of a round's batches, only the last wakes it."""
-        record = DONE_RECORD.pack(self._worker_index, seq, kind)
+    def notify(self, seq: int, kind: int, is_counted: bool, is_planned: bool = False) -> None:
+        """Tell the parent batch ``seq`` is done; of a round's batches, only the last wakes it.
+
+        ``is_planned``: a planned step, whose answer also goes into the worker's status
+        (after the results, before the parent may wake): its seq when everything is in
+        shared memory, else 0, which no seq is.
+        """
+        record = DONE_RECORD.pack(self.worker_index, seq, kind)
+        status = self.status if is_planned else None
         if is_counted:
             os.write(self._quiet_fd, record)
+            if status is not None:
+                status[self.worker_index] = seq if kind == DONE_OK else 0
             try:
                 if os.read(self._tokens_fd, 1):
                     return  # another worker of the round is still stepping
             except BlockingIOError:
                 pass  # the last one: wake the parent
+        elif status is not None:
+            status[self.worker_index] = seq if kind == DONE_OK else 0
         os.write(self._done_fd, record)
 
     def close(self) -> None:

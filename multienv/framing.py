@@ -13,12 +13,16 @@ of message travel:
   protocol 2 or later starts with. The worker answers with one ``DONE_RECORD`` through its
   group's done pipes (``done_pipes``); ``DONE_REPLY`` means a pickled ``Reply`` follows on
   the worker's own pipe (infos, final observations, errors). ``seq`` (1 to 255) tells a
-  late record of a killed worker from the answer to the current batch.
+  late record of a killed worker from the answer to the current batch;
+- a planned step: one byte, ``PLANNED_STEP`` (``PLANNED_STEP_COUNTED``), the same message
+  on every step: a fast batch of every env of the worker, in position order, whose seq and
+  item flags the parent wrote into the vector's shared memory (``shared_memory``). Waking a
+  worker for a vector's step is one constant write. It is answered as a fast batch, and in
+  the worker's status too (``done_pipes``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import pickle
@@ -31,6 +35,8 @@ import numpy as np
 
 FAST_BATCH = 0x01
 FAST_BATCH_COUNTED = 0x02  # a fast batch of a round: only the round's last worker wakes
+PLANNED_STEP = 0x03  # every env of the worker; seq and flags in shared memory
+PLANNED_STEP_COUNTED = 0x04  # the same, one of a round's
 FAST_ITEM = struct.Struct("<HB")  # position, flags
 ITEM_DTYPE = np.dtype([("position", "<u2"), ("flags", "u1")])  # FAST_ITEM, as numpy
 IS_RESET, IS_AUTORESET, IS_SLOT_1, IS_KEEP_NP_RANDOM = 1, 2, 4, 8  # the flags of a FAST_ITEM
@@ -102,19 +108,6 @@ def fast_batch_frame(seq: int, items: bytes | memoryview, is_counted: bool = Fal
     return b"".join((_HEADER.pack(len(items) + 2), bytes((kind, seq)), items))
 
 
-@dataclasses.dataclass(frozen=True)
-class PlannedItems:
-    """A vector's planned step, encoded once for all envs: the FAST_ITEMs and their slots."""
-
-    items: bytes
-    slots: np.ndarray
-
-    def items_of(self, env_slice: slice) -> memoryview:
-        """The items of the envs of one worker, ``env_slice`` of the vector."""
-        size = FAST_ITEM.size
-        return memoryview(self.items)[env_slice.start * size : env_slice.stop * size]
-
-
 def decode_fast_batch(request: bytes) -> tuple[int, Iterator[tuple[int, int]]]:
     """``seq`` and the ``(position, flags)`` items of a fast batch's payload."""
     return request[1], FAST_ITEM.iter_unpack(memoryview(request)[2:])
@@ -131,6 +124,10 @@ def slot_of(flags: int) -> int:
 def frame(payload: bytes) -> bytes:
     """The bytes that carry ``payload`` on the wire: its length, then itself."""
     return _HEADER.pack(len(payload)) + payload
+
+
+PLANNED_FRAMES = (frame(bytes([PLANNED_STEP])), frame(bytes([PLANNED_STEP_COUNTED])))
+"""The framed planned step, uncounted and counted: what wakes a worker for a vector's step."""
 
 
 def write_message(fd: int, payload: bytes) -> None:

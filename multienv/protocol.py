@@ -184,7 +184,8 @@ class StepPlan:
         actions: All N actions (an array with a leading axis).
         is_reset: Per env, reset it instead of stepping it.
         autoreset: Reset a finished episode in the same round trip (same-step autoreset).
-        wire: The backend's prepared request data.
+        wire: The backend's prepared request data (the subprocess backend's: the slot each
+            env's observation goes to; the items are in shared memory).
         num_resets: How many of ``is_reset`` are set.
         is_counted: Every worker gets its slice, and the vector collects them all before it
             returns: the workers' answers may be counted, so that only the last one wakes

@@ -8,7 +8,12 @@ One anonymous memory file (``os.memfd_create``) per vector holds, for every env:
   truncation the caller gets for the crash carries it (DESIGN.md);
 - its action, written by the parent before the step is sent (array action spaces only);
 - its reward, terminated and truncated flags;
-- a row of info cells and the id of the info's schema (``info_columns``).
+- a row of info cells and the id of the info's schema (``info_columns``);
+- the flags of its item in a planned step (``framing``: reset or step, slot, autoreset).
+
+and, for every worker, the seq of its batch in flight and the seq of the last planned step
+it answered with everything in shared memory (its *status*), so that a vector's step reads
+whether all workers are done as one array (``data_plane``).
 
 The file has no name, so nothing is left in ``/dev/shm`` whatever kills the parent; its fd
 travels to each worker over the pipe (``multiprocessing.reduction.send_handle``), again after
@@ -109,6 +114,10 @@ class BatchLayout:
         self._add(("flags",), (2, num_envs), np.dtype(np.bool_))
         self._add(("info_schema",), (num_envs,), SCHEMA_DTYPE)
         self._add(("info_cells",), (num_envs, MAX_CELLS), CELL_DTYPE)
+        self._add(("plan_flags",), (num_envs,), np.dtype(np.uint8))
+        # By worker index (a vector has at most num_envs workers).
+        self._add(("seqs",), (num_envs,), np.dtype(np.uint8))
+        self._add(("status",), (num_envs,), np.dtype(np.uint8))
         self.size = max(self._size, 1)
 
     @staticmethod
@@ -151,11 +160,15 @@ class _Mapping:
         self.flags = views[repr(("flags",))]
         self.info_schema = views[repr(("info_schema",))]
         self.info_cells = views[repr(("info_cells",))]
+        self.plan_flags = views[repr(("plan_flags",))]
+        self.seqs = views[repr(("seqs",))]
+        self.status = views[repr(("status",))]
 
     def release(self) -> None:
         """Drop the views and unmap, unless a caller still holds a view (then GC unmaps)."""
         self.obs, self.actions = {}, None
         self.rewards = self.flags = self.info_schema = self.info_cells = np.empty(0)
+        self.plan_flags = self.seqs = self.status = np.empty(0, dtype=np.uint8)
         try:
             self.memory.close()
         except BufferError:
@@ -198,7 +211,8 @@ class SharedBatch:
             self._mapping.info_cells,
             np.arange(num_envs) if worker_of_env is None else np.asarray(worker_of_env),
         )
-        self.done = DoneChannels(worker_groups)  # how the workers say a fast batch is done
+        # How the workers say a fast batch is done; the seq each awaits lives here.
+        self.done = DoneChannels(worker_groups, self._mapping.seqs)
         # close() runs it; so does the collector, for a vector dropped unclosed.
         self._release = weakref.finalize(self, _release, self._mapping, self.fd, self.done)
         self._release.atexit = False  # the process's end frees all of it
@@ -243,6 +257,16 @@ class SharedBatch:
     def flags(self) -> np.ndarray:
         """The shared terminated (row 0) and truncated (row 1) flags, shape ``(2, num_envs)``."""
         return self._mapping.flags
+
+    @property
+    def plan_flags(self) -> np.ndarray:
+        """Each env's item flags in the planned step in flight (``framing``)."""
+        return self._mapping.plan_flags
+
+    @property
+    def status(self) -> np.ndarray:
+        """By worker, the seq of the last planned step it answered with all in shared memory."""
+        return self._mapping.status
 
     def read(self, env_index: int) -> Any:
         """A copy of the observation that env is on (its current slot)."""
@@ -331,6 +355,18 @@ class SlotWriter:
         self.writes_each_obs = sum(array[0, 0].nbytes for _, array in self._obs) >= _LARGE_OBS
         self._is_discrete = isinstance(layout.action_space, gym.spaces.Discrete)
         self.infos = ColumnWriter(self._mapping.info_schema, self._mapping.info_cells)
+        notifier.status = self._mapping.status  # a planned step's answer goes there too
+
+    def planned_items(self) -> tuple[int, list[tuple[int, int]]]:
+        """The seq and ``(position, flags)`` items of the planned step the parent sent.
+
+        A planned step steps every env of the worker, in position order; the parent wrote
+        their flags and the worker's seq into shared memory before it woke the worker.
+        """
+        whole = self._whole
+        assert whole is not None  # the parent plans only workers of a run of its envs
+        seq = int(self._mapping.seqs[self.notifier.worker_index])
+        return seq, list(enumerate(self._mapping.plan_flags[whole].tolist()))
 
     def read_actions(self, positions: Sequence[int]) -> list[Any]:
         """The actions of the envs at ``positions`` as the parent wrote them.

@@ -83,14 +83,11 @@ class SubprocessLink:
             handle.set_link(self._shared, worker_index, env_indices[worker_index])
         # Planned steps need env e at position e - first of its worker, workers in order.
         flat = [i for indices in env_indices for i in indices]
-        self._plan_items: np.ndarray | None = None  # reused by every planned step
-        # (slot, autoreset): the encoded items of a step of every env from that slot
-        self._plain_steps: dict[tuple[int, bool], framing.PlannedItems] = {}
-        if self._shared is not None and flat == list(range(num_envs)):
-            self._plan_items = np.zeros(num_envs, dtype=framing.ITEM_DTYPE)
-            self._plan_items["position"] = [
-                p for indices in env_indices for p in range(len(indices))
-            ]
+        self.can_plan = (
+            self._shared is not None
+            and self._shared.actions is not None
+            and flat == list(range(num_envs))
+        )
 
     def wait_any(
         self,
@@ -151,42 +148,28 @@ class SubprocessLink:
     def plan_step(
         self, actions: Any, is_reset: np.ndarray, autoreset: bool, is_counted: bool = False
     ) -> StepPlan | None:
-        """Write every env's action and encode every env's item at once (array spaces only).
+        """Write every env's action and item flags at once (array spaces only).
 
         ``is_counted``: start a round (``done_pipes``): every worker will get its slice.
         """
-        shared, items = self._shared, self._plan_items
-        if shared is None or shared.actions is None or items is None:
+        shared = self._shared
+        if not self.can_plan or shared is None or shared.actions is None:
             return None
         if actions.dtype != shared.actions.dtype:  # the envs get the values as given
             return None
         if is_counted:
             shared.done.open_round()
         slots = shared.next_slots(slice(None))
+        shared.actions[:] = actions  # a reset's action is not read
+        shared.plan_flags[:] = framing.item_flags(is_reset, slots, autoreset, info_columns=True)
         num_resets = int(np.count_nonzero(is_reset))
-        if not num_resets:
-            shared.actions[:] = actions
-            # Every env steps, all from one slot: the same bytes as the last such step.
-            key = (int(slots[0]), autoreset) if shared.has_same_slot() else None
-            wire = self._plain_steps.get(key) if key is not None else None
-            if wire is None:
-                flags = framing.item_flags(is_reset, slots, autoreset, info_columns=True)
-                wire = framing.PlannedItems(framing.encode_items(None, flags, out=items), slots)
-                if key is not None:
-                    self._plain_steps[key] = wire
-            return StepPlan(actions, is_reset, autoreset, wire, num_resets, is_counted)
-        steps = ~is_reset
-        shared.actions[steps] = actions[steps]
-        flags = framing.item_flags(is_reset, slots, autoreset, info_columns=True)
-        encoded = framing.encode_items(None, flags, out=items)
-        wire = framing.PlannedItems(encoded, slots)
-        return StepPlan(actions, is_reset, autoreset, wire, num_resets, is_counted)
+        return StepPlan(actions, is_reset, autoreset, slots, num_resets, is_counted)
 
     def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Move ``index`` of a clean plan to its new slots; views of its rewards and flags."""
         shared = self._shared
         assert shared is not None
-        slots = plan.wire.slots
+        slots = plan.wire  # the slot each env's observation goes to
         is_all = isinstance(index, slice) and index == slice(None)
         shared.move_to(index, slots if is_all else slots[index])
         flags = shared.flags

@@ -40,6 +40,8 @@ from multienv.framing import (
     IS_INFO_COLUMNS,
     IS_KEEP_NP_RANDOM,
     IS_RESET,
+    PLANNED_STEP,
+    PLANNED_STEP_COUNTED,
     MessageReader,
     decode,
     decode_fast_batch,
@@ -185,8 +187,15 @@ class _Loop:
         read = MessageReader(self.fd, self.spin_s).read
         while True:
             request = read()
-            if request[0] == FAST_BATCH or request[0] == FAST_BATCH_COUNTED:
-                self._fast_batch(request)
+            kind = request[0]
+            if kind == PLANNED_STEP or kind == PLANNED_STEP_COUNTED:
+                assert self.writer is not None
+                seq, items = self.writer.planned_items()
+                self._fast_batch(seq, items, kind == PLANNED_STEP_COUNTED, True)
+                continue
+            if kind == FAST_BATCH or kind == FAST_BATCH_COUNTED:
+                seq, raw_items = decode_fast_batch(request)
+                self._fast_batch(seq, list(raw_items), kind == FAST_BATCH_COUNTED, False)
                 continue
             message: Request = decode(request)
             if message.command is Command.CLOSE:
@@ -242,15 +251,17 @@ class _Loop:
             outcome.obs = None
         return outcome
 
-    def _fast_batch(self, request: bytes) -> None:
+    def _fast_batch(
+        self, seq: int, items: list[tuple[int, int]], is_counted: bool, is_planned: bool
+    ) -> None:
         """Run a fast batch: everything but infos and errors goes through shared memory.
 
+        ``items``: each env's ``(position, flags)``; ``is_counted``: one of a round's
+        batches; ``is_planned``: a planned step, answered in the worker's status too.
         Kept free of per-env objects: on cheap envs the loop costs as much as the envs.
         """
         writer = self.writer
         assert writer is not None
-        seq, raw_items = decode_fast_batch(request)
-        items = list(raw_items)
         runner = self.runner
         envs, check = runner.envs, runner.check
         columns, env_indices = writer.infos, writer.env_indices
@@ -316,11 +327,10 @@ class _Loop:
             writer.write_many_obs(done_positions, slots, observations)
         writer.write_results(done_positions, rewards, terminations, truncations)
         schemas = columns.take_pending() if columns.pending else None
-        is_counted = request[0] == FAST_BATCH_COUNTED
         if not extras and schemas is None:
-            writer.notifier.notify(seq, DONE_OK, is_counted)
+            writer.notifier.notify(seq, DONE_OK, is_counted, is_planned)
         else:
-            writer.notifier.notify(seq, DONE_REPLY, is_counted)
+            writer.notifier.notify(seq, DONE_REPLY, is_counted, is_planned)
             write_message(self.fd, encode_reply(Reply(extras, schemas=schemas), None, resets))
         if resets and not self.is_trimmed:
             self._trim_once()

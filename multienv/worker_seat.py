@@ -54,11 +54,31 @@ class WorkerSeat:
         self.done_read = -1 if shared is None else shared.done.done_read(worker_index)
         # Its batches in a round are counted: its group has other workers (``done_pipes``).
         self.is_grouped = shared is not None and shared.done.is_counted(worker_index)
-        self.seq = 0  # of the last fast batch, 1 to 255
+        self._own_seq = 0  # the seq of an unlinked seat (a linked one's is in shared memory)
         self._batch: Batch | None = None  # None for a planned step's slice
         self._env_ids: Any = None  # the batch's env indices (array or slice); None if pickled
         self._slots: np.ndarray | None = None  # and the slots it writes
         self._plan_slots: np.ndarray | None = None  # a planned step's slots, of every env
+
+    @property
+    def seq(self) -> int:
+        """The seq of the last fast batch (1 to 255; 0 before the first)."""
+        if self.shared is None:
+            return self._own_seq
+        return int(self.shared.done.seqs[self.worker_index])
+
+    @seq.setter
+    def seq(self, seq: int) -> None:
+        if self.shared is None:
+            self._own_seq = seq
+        else:
+            self.shared.done.expect(self.worker_index, seq)
+
+    def next_seq(self) -> int:
+        """Number the next fast batch; only its record counts from now on."""
+        seq = self.seq % 255 + 1
+        self.seq = seq
+        return seq
 
     def link_payload(self, pid: int) -> LinkPayload:
         """What ATTACH gives worker ``pid``: the payload, the memory fd and the done pipe fds."""
@@ -121,8 +141,7 @@ class WorkerSeat:
                 shared.actions[np.arange(shared.num_envs)[env_ids][steps]] = np.asarray(
                     batch.actions
                 )[steps]
-        seq = self.seq = self.seq % 255 + 1
-        shared.done.expect(self.worker_index, seq)
+        seq = self.next_seq()
         flags = framing.item_flags(is_reset, slots, batch.autoreset, batch.keep_np_randoms)
         return framing.fast_batch_frame(seq, framing.encode_items(batch.positions, flags)), seq
 
@@ -131,13 +150,14 @@ class WorkerSeat:
 
         ``is_counted``: it is one of a round's batches (``done_pipes``).
         """
-        wire: framing.PlannedItems = plan.wire
+        self.next_seq()
+        self.take_planned(plan, env_slice)
+        return framing.PLANNED_FRAMES[is_counted]
+
+    def take_planned(self, plan: StepPlan, env_slice: slice) -> None:
+        """This worker's slice of a planned step is in flight; its seq is already numbered."""
         self._batch = None
-        self._env_ids, self._slots, self._plan_slots = env_slice, None, wire.slots
-        seq = self.seq = self.seq % 255 + 1
-        assert self.shared is not None
-        self.shared.done.expect(self.worker_index, seq)
-        return framing.fast_batch_frame(seq, wire.items_of(env_slice), is_counted)
+        self._env_ids, self._slots, self._plan_slots = env_slice, None, plan.wire
 
     def result(self, reply: Reply) -> BatchResult:
         """The result of the batch in flight, from its reply and the shared memory."""

@@ -40,13 +40,13 @@ def test_fast_batch_items_round_trip(size: int, autoreset: bool) -> None:
         assert framing.slot_of(got) == slot
 
 
-def test_planned_items_slice_is_the_workers_part() -> None:
-    flags = framing.item_flags(np.zeros(4, np.bool_), np.array([0, 1, 1, 0], np.int8), False)
-    planned = framing.PlannedItems(framing.encode_items([0, 1, 0, 1], flags), np.zeros(4))
-    _, items = framing.decode_fast_batch(
-        framing.fast_batch_frame(1, planned.items_of(slice(2, 4)))[4:]
-    )
-    assert [(p, framing.slot_of(f)) for p, f in items] == [(0, 1), (1, 0)]
+def test_planned_step_frames_are_one_constant_byte_that_no_pickle_starts_with() -> None:
+    for is_counted, frame in enumerate(framing.PLANNED_FRAMES):
+        assert int.from_bytes(frame[:4], "big") == 1
+        kind = frame[4]
+        assert kind == (framing.PLANNED_STEP_COUNTED if is_counted else framing.PLANNED_STEP)
+        assert kind < 0x80
+        assert kind not in (framing.FAST_BATCH, framing.FAST_BATCH_COUNTED)
 
 
 def test_messages_round_trip_through_a_socket_whatever_their_size() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from multienv.done_pipes import DoneNotifier
-from multienv.framing import DONE_OK, DONE_RECORD
+from multienv.framing import DONE_OK, DONE_RECORD, DONE_REPLY, IS_RESET, IS_SLOT_1
 from multienv.shared_memory import BatchLayout, SharedBatch, SlotWriter
 from tests.envs import FrameDictObsEnv, FrameObsEnv
 
@@ -65,6 +65,23 @@ def test_worker_rows_round_trip_to_the_parent(shared: SharedBatch) -> None:
     assert np.allclose(got["pos"][1], sample["pos"][1])
     assert shared.rewards[2:].tolist() == [0.5, -1.0]
     assert shared.flags[:, 2:].tolist() == [[False, True], [True, False]]
+    del writer
+
+
+def test_a_planned_step_is_read_from_shared_memory_and_answered_in_the_status(
+    shared: SharedBatch,
+) -> None:
+    writer = writer_for(shared, 1, [2, 3])  # the worker hosting envs 2 and 3
+    shared.plan_flags[:] = [IS_RESET, 0, IS_SLOT_1, IS_RESET | IS_SLOT_1]
+    shared.done.expect(1, 9)
+    assert writer.planned_items() == (9, [(0, IS_SLOT_1), (1, IS_RESET | IS_SLOT_1)])
+    writer.notifier.notify(9, DONE_OK, is_counted=False, is_planned=True)
+    assert shared.status[1] == 9
+    shared.done.expect(1, 10)
+    writer.notifier.notify(10, DONE_REPLY, is_counted=False, is_planned=True)
+    assert shared.status[1] == 0  # a reply follows: no seq, so the parent reads it
+    writer.notifier.notify(11, DONE_OK, is_counted=False)  # not planned: status untouched
+    assert shared.status[1] == 0
     del writer
 
 
