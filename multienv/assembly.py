@@ -83,6 +83,7 @@ class Assembly:
         self.counters = VectorCounters(num_envs)
         self._reset_after_crash = reset_after_crash
         self._infos = InfoMerger(num_envs)
+        self.add_info = self._infos.add  # Gymnasium's _add_info for the vector's size
         self.env_obs: list[Any] = [None] * num_envs  # when not in shared memory
         self._observations: Any = create_empty_array(observation_space, n=num_envs, fn=np.zeros)
         self._rewards = np.zeros(num_envs, dtype=np.float64)

@@ -12,9 +12,11 @@ The three modes match ``gymnasium.vector.AutoresetMode`` exactly, env by env:
   (``MultiEnv.reset(options={"reset_mask": ...})``).
 
 The worker's half is ``step_env``: step, and under SAME_STEP reset a finished episode in the
-same round trip. The vector's half is ``Autoreset``: which envs reset at their next step
-(NEXT_STEP), which steps are misuse (DISABLED), and the infos the caller sees
-(``same_step_info``).
+same round trip; and ``resolve_next_step``: in a vector's planned step, an item flagged
+``IS_NEXT_STEP`` resets an env whose last result (still in shared memory) ended its episode,
+so that the parent's data plane sends the same flags on every step. The vector's half is
+``Autoreset``: which envs reset at their next step (NEXT_STEP), which steps are misuse
+(DISABLED), and the infos the caller sees (``same_step_info``).
 
 A worker crash during a step arrives here as a plain truncation, so each mode handles it
 like any time limit. Under SAME_STEP the worker could not reset in the same trip, so the
@@ -32,6 +34,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from multienv.errors import EnvStateError
+from multienv.framing import IS_NEXT_STEP, IS_RESET
 from multienv.protocol import Outcome
 
 # A worker's step: obs, reward, terminated, truncated, info, and (final_obs, final_info) when
@@ -64,6 +67,20 @@ def step_env(
     return obs, reward, terminated, truncated, info, None
 
 
+def resolve_next_step(items: list[tuple[int, int]], ended: list[bool]) -> list[tuple[int, int]]:
+    """WORKER SIDE: NEXT_STEP in a planned step: reset the envs whose last result ended.
+
+    Args:
+        items: The step's ``(position, flags)`` items.
+        ended: By position, whether the env's last result (terminated or truncated, in
+            shared memory) ended its episode. A reset's result ends nothing.
+    """
+    return [
+        (position, flags | IS_RESET if flags & IS_NEXT_STEP and ended[position] else flags)
+        for position, flags in items
+    ]
+
+
 def same_step_info(
     final_obs: Any, final_info: dict[str, Any], reset_info: dict[str, Any]
 ) -> dict[str, Any]:
@@ -87,7 +104,21 @@ class Autoreset:
         """Start with no episode to finish."""
         self.mode = mode
         self.is_same_step = mode is AutoresetMode.SAME_STEP
-        self.needs_reset = np.zeros(num_envs, dtype=np.bool_)  # the episode ended, not reset
+        self._needs_reset = np.zeros(num_envs, dtype=np.bool_)  # the episode ended, not reset
+        # Brings ``needs_reset`` up to date; a vector's data plane keeps it lazily.
+        self.pending: Callable[[], None] | None = None
+
+    @property
+    def needs_reset(self) -> np.ndarray:
+        """Per env, whether its episode ended and it was not reset yet."""
+        if self.pending is not None:
+            self.pending()
+        return self._needs_reset
+
+    @property
+    def needs_reset_array(self) -> np.ndarray:
+        """``needs_reset``'s array itself, not brought up to date (for its keeper)."""
+        return self._needs_reset
 
     def check_can_step(self, env_ids: Any) -> None:
         """Raise before anything is sent if stepping these envs now is misuse."""

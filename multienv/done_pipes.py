@@ -144,12 +144,17 @@ class DoneChannels:
         """
         self._read_records(self._by_done_read[done_read].quiet[0])
 
-    def open_round(self) -> None:
-        """Start a round: each group of two or more workers gets one token fewer than workers."""
+    def open_round(self, is_written: bool = False) -> None:
+        """Start a round: each group of two or more workers gets one token fewer than workers.
+
+        ``is_written``: a vector's data plane wrote the tokens itself (fresh, after a drain)
+        and hands its round over: only the bookkeeping starts here.
+        """
         for group in self._groups:
             group.sentinels.clear()
             group.deadlines.clear()
-            if group.size < 2:
+            if group.size < 2 or is_written:
+                group.collected = 0
                 continue
             if group.collected < group.size:  # else the last round took every token
                 _drain(group.tokens[0])

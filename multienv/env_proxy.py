@@ -64,12 +64,16 @@ class RemoteEnv(gym.Env[Any, Any]):
     @property
     def steps(self) -> int:
         """Steps this env has returned (crash truncations included)."""
-        return int(self._supervisor.stats.steps[self.position])
+        stats = self._supervisor.stats
+        stats.flush()
+        return int(stats.steps[self.position])
 
     @property
     def episodes(self) -> int:
         """Episodes of this env that ended (terminated or truncated)."""
-        return int(self._supervisor.stats.episodes[self.position])
+        stats = self._supervisor.stats
+        stats.flush()
+        return int(stats.episodes[self.position])
 
     @property
     def restarts(self) -> int:
@@ -89,7 +93,7 @@ class RemoteEnv(gym.Env[Any, Any]):
     @property
     def step_latencies_s(self) -> deque[float]:
         """Recent round-trip times of the steps of this env's worker, in seconds."""
-        return self._supervisor.stats.step_latencies_s
+        return deque(self._supervisor.stats.latencies().tolist())
 
     @property
     def pid(self) -> int | None:

@@ -29,13 +29,20 @@ import functools
 import inspect
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
 
 from multienv.info_columns import AddInfo
 from multienv.protocol import Batch, BatchResult, Reply, Request, StepPlan
+
+if TYPE_CHECKING:
+    from multienv.autoreset import Autoreset
+    from multienv.supervisor import WorkerSupervisor
+    from multienv.worker_stats import VectorCounters
+
+StepBatch = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
 
 ENTRY_POINT_GROUP = "multienv.backends"
 
@@ -186,6 +193,46 @@ class SharedMemoryLink(VectorLink, Protocol):
         ``fresh`` is ``slice(None)`` or env indices, of envs whose workers answered the step;
         see ``info_columns.ColumnReader.merge``.
         """
+
+    def open_data_plane(
+        self,
+        supervisors: Sequence[WorkerSupervisor],
+        env_slices: Sequence[slice],
+        autoreset: Autoreset,
+        counters: VectorCounters,
+        copy: bool,
+        add_info: AddInfo,
+    ) -> DataPlane | None:
+        """The vector's healthy step in one pass, or None if the link has none for it.
+
+        Args:
+            supervisors: The vector's workers, by worker index.
+            env_slices: Each worker's envs, a slice of the vector's.
+            autoreset: The vector's autoreset state, which the data plane keeps.
+            counters: The vector's counters, which the data plane keeps.
+            copy: Return a copy of the observations.
+            add_info: Gymnasium's ``_add_info`` for the vector's size.
+        """
+
+
+class DataPlane(Protocol):
+    """A vector's healthy step: send it to every worker, then receive it as arrays."""
+
+    def send(self, actions: Any) -> bool:
+        """Send a step of every env; False, sending nothing, if it cannot go this way now."""
+
+    def receive(self, timeout: float | None = None) -> StepBatch | StepPlan | None:
+        """Wait for the step: its batch, the plan handed over, or None if ``timeout`` passed.
+
+        The ``StepPlan`` in flight is handed over to the supervisors when anything was not
+        as usual; on a timeout the step stays in flight.
+        """
+
+    def is_in_flight(self) -> bool:
+        """Whether a step was sent and not yet received."""
+
+    def interrupt(self) -> None:
+        """An exception stopped the step in flight: hand it over to the supervisors."""
 
 
 class OpenLink(Protocol):

@@ -33,6 +33,7 @@ from multienv.errors import (
     EnvStateError,
     NoPendingCallError,
     PendingCallError,
+    WaitTimeoutError,
 )
 from multienv.factory import proxies_for, warn_unbounded_batches
 from multienv.fan_out import (
@@ -41,12 +42,13 @@ from multienv.fan_out import (
     Outcome,
     WorkerGroup,
     collect_slices,
+    finish,
     group_by_worker,
     raise_first,
     reset_batches,
     step_batches,
 )
-from multienv.handles import SharedMemoryLink, keyword_options
+from multienv.handles import DataPlane, SharedMemoryLink, keyword_options
 from multienv.planning import PlanningApi
 from multienv.protocol import StepPlan
 from multienv.send_recv import InFlight, SendRecvApi
@@ -192,6 +194,18 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         if self._can_plan:
             for group in groups:
                 self._assembly.counters.adopt(group.supervisor.stats, group.index)
+        # The healthy step in one pass, when the link has one for this layout (``data_plane``).
+        self._data_plane: DataPlane | None = None
+        if self._can_plan and self._plan_link is not None and len(self._fan_out.slices) == 1:
+            if not self._is_limited():
+                self._data_plane = self._plan_link.open_data_plane(
+                    [group.supervisor for group in groups],
+                    [group.index for group in groups],
+                    self._autoreset,
+                    self._assembly.counters,
+                    self.copy,
+                    self._assembly.add_info,
+                )
         # Dropped unclosed (collected, or alive at exit), the vector kills its workers at
         # once, without waiting (``abandon_workers``); close() detaches this. It replaces the
         # proxies' own finalizers, so that one warning names the vector.
@@ -276,6 +290,16 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Step every env with its action; see the module docstring of ``autoreset``."""
+        plane = self._data_plane
+        # Closed, a send() in flight, a death...: the data plane refuses, as its workers say
+        # (``data_plane``); what runs on the pool it cannot see.
+        if (
+            plane is not None
+            and self._pending is None
+            and self._pending_reset is None
+            and plane.send(actions)
+        ):
+            return self._receive_planned(plane, None)
         make_batch = self._prepare_step(actions)
         if self._is_limited():
             assert self.max_concurrency is not None
@@ -284,6 +308,12 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
 
     def step_async(self, actions: Any) -> None:
         """Send a step to every env and return at once; ``step_wait()`` collects it."""
+        plane = self._data_plane
+        if plane is not None:
+            self._check_idle("step_async")
+            if plane.send(actions):
+                self._pending = []  # nothing on the pool: the data plane's step is in flight
+                return
         make_batch = self._prepare_step(actions, "step_async")
         if self._is_limited():
             assert self.max_concurrency is not None
@@ -306,6 +336,11 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             raise NoPendingCallError(
                 "Calling `step_wait` without any prior call to `step_async`.", "step"
             )
+        plane = self._data_plane
+        if not self._pending and plane is not None and plane.is_in_flight():
+            batch = self._receive_planned(plane, timeout)
+            self._pending = None
+            return batch
         outcome = collect_slices(self._pending, timeout, "step")
         self._pending = None
         return self._finish_step(outcome)
@@ -428,6 +463,29 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
                 return lambda worker: plan
 
         return step_batches(batch_actions, resets, is_same_step)
+
+    def _receive_planned(self, plane: DataPlane, timeout: float | None) -> StepBatch:
+        """The data plane's step in flight; collected by the control plane if it hands it over.
+
+        Raises:
+            WaitTimeoutError: ``timeout`` passed first; the step stays in flight.
+        """
+        try:
+            received = plane.receive(timeout)
+        except BaseException:
+            plane.interrupt()  # Ctrl-C mid-wait: the supervisors collect it before the next
+            raise
+        if type(received) is tuple:
+            return received
+        if received is None:
+            raise WaitTimeoutError(
+                f"The call to `step_wait` has timed out after {timeout} second(s); call "
+                "step_wait() again, or close()."
+            )
+        assert isinstance(received, StepPlan)
+        self._plan = received
+        outcome = {number: finish(group) for number, group in enumerate(self._groups)}
+        return self._finish_step(outcome)
 
     def _split_actions(self, actions: Any, env_ids: list[int] | None) -> Any:
         """The actions as one array (array spaces) or list, checked; errors name the env."""

@@ -26,6 +26,7 @@ from gymnasium.error import ClosedEnvironmentError
 from multienv import module_server
 from multienv.framing import (
     DONE_OK,
+    PLANNED_FRAMES,
     MessageReader,
     decode,
     encode,
@@ -253,11 +254,17 @@ class ProcessHandle:
         self._send(message)
 
     def submit_planned(self, plan: StepPlan, env_slice: slice, deadline: float | None) -> None:
-        """Send this worker's slice of a planned step: its items were encoded for all envs.
+        """Send this worker's slice of a planned step: its items are in shared memory.
 
         In a round (``plan.is_counted``), its batch is counted when its group has others;
         ``deadline`` is when it is late (``collect_planned`` gets the same).
         """
+        self._seat.next_seq()
+        self.take_planned(plan, env_slice, deadline)
+        self._send(PLANNED_FRAMES[self._is_counted])
+
+    def take_planned(self, plan: StepPlan, env_slice: slice, deadline: float | None) -> None:
+        """This worker's slice of a planned step is in flight under its seq; join its round."""
         seat = self._seat
         assert seat.shared is not None
         is_counted = plan.is_counted and seat.is_grouped
@@ -268,10 +275,21 @@ class ProcessHandle:
                 is_counted = False
             else:
                 done.join_round(seat.worker_index, process.sentinel, deadline)
-        message = seat.planned_frame(plan, env_slice, is_counted)
+        seat.take_planned(plan, env_slice)
         self._notify_seq = seat.seq
         self._is_counted = is_counted
-        self._send(message)
+
+    def plane_fds(self) -> tuple[int, int] | None:
+        """The fds a vector's data plane writes and watches: the pipe and the sentinel."""
+        process = self._process
+        if process is None or self._conn is None:
+            return None
+        return self._fd, process.sentinel
+
+    @property
+    def spin_s(self) -> float:
+        """How long a wait for the worker polls before it sleeps (0: it sleeps at once)."""
+        return self._spin_s
 
     def leave_round(self) -> None:
         """This worker's part of a round goes as a general batch, or not at all (``done_pipes``)."""

@@ -39,7 +39,9 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from multienv.autoreset import resolve_next_step
 from multienv.done_pipes import DoneChannels, DoneNotifier
+from multienv.framing import IS_NEXT_STEP
 from multienv.info_columns import CELL_DTYPE, MAX_CELLS, SCHEMA_DTYPE, ColumnReader, ColumnWriter
 
 _ARRAY_SPACES = (
@@ -203,6 +205,7 @@ class SharedBatch:
         self._slot = np.zeros(num_envs, dtype=np.int8)  # the slot holding each env's last obs
         self.num_envs = num_envs
         self._same_slot: int | None = 0  # the slot of every env, when they are all on one
+        self._is_slot_stale = False  # _slot is not written out yet: every env is on _same_slot
         self._whole = (np.zeros(num_envs, dtype=np.int8), np.ones(num_envs, dtype=np.int8))
         for slots in self._whole:
             slots.flags.writeable = False
@@ -221,16 +224,37 @@ class SharedBatch:
         """The slot each env's next observation goes to: never the one the caller saw last."""
         if self._same_slot is not None and isinstance(env_ids, slice) and env_ids == _ALL:
             return self._whole[1 - self._same_slot]  # the usual step: no arithmetic
-        slots: np.ndarray = 1 - self._slot[env_ids]
+        slots: np.ndarray = 1 - self._slots()[env_ids]
         return slots
 
     def has_same_slot(self) -> bool:
         """Whether every env is known to be on one slot (then ``next_slots`` is shared)."""
         return self._same_slot is not None
 
+    @property
+    def same_slot(self) -> int | None:
+        """The slot every env's last observation is on, when they are all on one."""
+        return self._same_slot
+
+    def move_all_to(self, slot: int) -> None:
+        """Every env's observation is in ``slot`` now: a planned step came back clean.
+
+        The per-env slots are written only when something reads them (``_slots``).
+        """
+        self._same_slot = slot
+        self._is_slot_stale = True
+
+    def _slots(self) -> np.ndarray:
+        """Each env's slot, written out if ``move_all_to`` left it to be."""
+        if self._is_slot_stale:
+            assert self._same_slot is not None  # move_all_to set it
+            self._is_slot_stale = False
+            self._slot[:] = self._same_slot
+        return self._slot
+
     def move_to(self, env_ids: Any, slots: np.ndarray) -> None:
         """These envs' observations are in ``slots`` now: their batch came back clean."""
-        self._slot[env_ids] = slots
+        self._slots()[env_ids] = slots
         if isinstance(env_ids, slice) and env_ids == _ALL and slots is self._whole[slots[0]]:
             self._same_slot = int(slots[0])
         else:
@@ -239,7 +263,7 @@ class SharedBatch:
     @property
     def slot(self) -> np.ndarray:
         """The slot holding each env's last observation (read-only; ``move_to`` moves)."""
-        view = self._slot.view()
+        view = self._slots().view()
         view.flags.writeable = False
         return view
 
@@ -259,6 +283,11 @@ class SharedBatch:
         return self._mapping.flags
 
     @property
+    def obs_slots(self) -> np.ndarray | None:
+        """Both slots of every env's observation, ``(2, num_envs, ...)``; None when nested."""
+        return self._mapping.obs.get(())
+
+    @property
     def plan_flags(self) -> np.ndarray:
         """Each env's item flags in the planned step in flight (``framing``)."""
         return self._mapping.plan_flags
@@ -270,7 +299,7 @@ class SharedBatch:
 
     def read(self, env_index: int) -> Any:
         """A copy of the observation that env is on (its current slot)."""
-        slot = int(self._slot[env_index])
+        slot = int(self._slots()[env_index])
         arrays = {path: array[slot, env_index].copy() for path, array in self._mapping.obs.items()}
         return _assemble(self.layout.observation_space, arrays)
 
@@ -280,13 +309,15 @@ class SharedBatch:
         For all envs, envs left on the other slot (by a masked reset, a crash or partial
         batches) are copied over first, so the result is one slot, without copying the rest.
         """
-        mapping, slot = self._mapping, self._slot
+        mapping = self._mapping
         if env_ids is not None:
+            slot = self._slots()
             ids = np.asarray(env_ids, dtype=np.intp)
             arrays = {path: array[slot[ids], ids] for path, array in mapping.obs.items()}
             return _assemble(self.layout.observation_space, arrays)
         target = self._same_slot
         if target is None:
+            slot = self._slot  # not stale: only move_all_to leaves it so, with a same slot
             target = int(2 * int(slot.sum()) > slot.size)  # the slot most envs are on
             behind = np.flatnonzero(slot != target)
             if behind.size:
@@ -365,8 +396,13 @@ class SlotWriter:
         """
         whole = self._whole
         assert whole is not None  # the parent plans only workers of a run of its envs
-        seq = int(self._mapping.seqs[self.notifier.worker_index])
-        return seq, list(enumerate(self._mapping.plan_flags[whole].tolist()))
+        mapping = self._mapping
+        seq = int(mapping.seqs[self.notifier.worker_index])
+        items = list(enumerate(mapping.plan_flags[whole].tolist()))
+        if items and items[0][1] & IS_NEXT_STEP:  # a step's flags are the same for all envs
+            flags = mapping.flags
+            items = resolve_next_step(items, (flags[0, whole] | flags[1, whole]).tolist())
+        return seq, items
 
     def read_actions(self, positions: Sequence[int]) -> list[Any]:
         """The actions of the envs at ``positions`` as the parent wrote them.

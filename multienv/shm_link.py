@@ -19,6 +19,8 @@ from gymnasium.error import CustomSpaceError
 from gymnasium.vector.utils import create_shared_memory
 
 from multienv import framing
+from multienv.autoreset import Autoreset
+from multienv.data_plane import DataPlane
 from multienv.done_pipes import DoneChannels
 from multienv.handles import VectorLink, WorkerHandle
 from multienv.info_columns import AddInfo
@@ -26,6 +28,8 @@ from multienv.process_handle import ProcessHandle
 from multienv.process_launch import poll_ms
 from multienv.protocol import StepPlan
 from multienv.shared_memory import BatchLayout, SharedBatch
+from multienv.supervisor import WorkerSupervisor
+from multienv.worker_stats import VectorCounters
 
 
 def open_subprocess_link(
@@ -174,6 +178,29 @@ class SubprocessLink:
         shared.move_to(index, slots if is_all else slots[index])
         flags = shared.flags
         return shared.rewards[index], flags[0, index], flags[1, index]
+
+    def open_data_plane(
+        self,
+        supervisors: Sequence[WorkerSupervisor],
+        env_slices: Sequence[slice],
+        autoreset: Autoreset,
+        counters: VectorCounters,
+        copy: bool,
+        add_info: AddInfo,
+    ) -> DataPlane | None:
+        """The vector's healthy step in one pass (``data_plane``), if its layout allows one.
+
+        It needs planned steps (array spaces, each worker a run of the vector's envs in
+        order) and all workers in one group; the arguments are ``DataPlane``'s.
+        """
+        if not self.can_plan or self._shared is None:
+            return None
+        try:
+            return DataPlane(
+                self._shared, supervisors, env_slices, autoreset, counters, copy, add_info
+            )
+        except ValueError:  # several groups: the vector collects on several threads
+            return None
 
     def merge_info_columns(
         self, pickled: dict[int, dict[str, Any]], fresh: slice | np.ndarray, add_info: AddInfo

@@ -178,6 +178,10 @@ class WorkerSupervisor:
             on_spawn=(lambda: None) if self._recycler is None else self._recycler.on_spawn,
         )
         self.env_error = self._life.env_error  # the EnvError of a failure in the worker
+        # Counts what takes the worker out of the state a vector's data plane checked: a
+        # call, a general batch, a planned step the data plane did not send itself, a death,
+        # a recycle, close. A vector's workers share one counter (``data_plane``).
+        self.changes = [0]
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -190,6 +194,11 @@ class WorkerSupervisor:
     def descriptions(self) -> list[EnvDescription]:
         """What the worker's envs are (spaces, metadata), by position, once it is ready."""
         return self._life.descriptions
+
+    @property
+    def timeouts(self) -> tuple[float | None, float | None]:
+        """The worker's (step, reset) timeouts, per env of a batch."""
+        return self._timeouts
 
     @property
     def deadline(self) -> float | None:
@@ -213,6 +222,7 @@ class WorkerSupervisor:
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker; idempotent and bounded in time."""
+        self.changes[0] += 1
         if self._life.state is EnvState.CLOSED:
             return
         self._life.is_closing.set()
@@ -223,6 +233,7 @@ class WorkerSupervisor:
 
     def abandon(self) -> bool:
         """Kill the worker and close, waiting for nothing; whether it was open (``WorkerLife``)."""
+        self.changes[0] += 1
         self._open_positions.clear()
         return self._life.abandon()
 
@@ -267,6 +278,7 @@ class WorkerSupervisor:
         A step of an env whose episode an earlier death cut is not sent: it comes back as
         that death's truncation.
         """
+        self.changes[0] += 1
         if self._life.state is not EnvState.READY:
             first = self.env_indices[batch.positions[0]] if len(batch.positions) else 0
             self.require(EnvState.READY, "step", first)
@@ -286,24 +298,50 @@ class WorkerSupervisor:
         Falls back to ``submit()`` of the same envs when the worker has anything unusual to
         sort out first (a call in flight, envs that lost their episode, not ready).
         """
-        if (
-            self._life.state is not EnvState.READY
-            or self._pending is not None
-            or self._cuts.has_lost()
-            or self._shm_handle is None
-            or (self._recycler is not None and self._recycler.is_busy())
-        ):
+        if not self.can_take_planned() or (self._recycler is not None and self._recycler.is_busy()):
             if plan.is_counted and self._shm_handle is not None:
                 self._shm_handle.leave_round()  # its answer will not be counted
             self.submit(plan.batch(env_slice))
             return
+        assert self._shm_handle is not None
+        deadline = self.take_planned(plan, env_slice, time.perf_counter())
+        self._shm_handle.submit_planned(plan, env_slice, deadline)
+
+    def can_take_planned(self) -> bool:
+        """Whether the worker's part of a planned step can go as is: ready, idle, nothing lost.
+
+        Recycling is not asked here: a vector's data plane takes no worker that recycles.
+        """
+        return (
+            self._life.state is EnvState.READY
+            and self._pending is None
+            and not self._cuts.has_lost()
+            and self._shm_handle is not None
+        )
+
+    @property
+    def is_recycling(self) -> bool:
+        """Whether the worker has a recycle policy (consulted around every batch)."""
+        return self._recycler is not None
+
+    def note_success(self) -> None:
+        """A planned step the vector's data plane collected came back clean."""
+        self._ledger.note_success()
+
+    def take_planned(self, plan: StepPlan, env_slice: slice, sent_at: float) -> float | None:
+        """The worker's part of a planned step is in flight: ``finish()`` collects it.
+
+        ``submit_planned`` sends it; a vector's data plane sent it itself and hands the step
+        over here when something is not as usual. Returns its deadline.
+        """
+        self.changes[0] += 1
         deadline = planned_deadline(plan, env_slice, self._timeouts)
         pending = self._planned  # reused: this runs for every worker on every step
         pending.batch = pending.sent = None
         pending.plan, pending.plan_slice, pending.deadline = plan, env_slice, deadline
-        pending.sent_at = time.perf_counter()
+        pending.sent_at = sent_at
         self._pending = pending
-        self._shm_handle.submit_planned(plan, env_slice, deadline)
+        return deadline
 
     def finish(self) -> tuple[BatchResult | None, dict[int, Exception]]:
         """Collect the batch ``submit()`` sent: its result, and ``EnvError``s by item index.
@@ -399,6 +437,7 @@ class WorkerSupervisor:
             steps: Env steps the call makes (for ``STEP_PAIRS``): it may take that many
                 ``step_timeout``s before the worker is killed. 0: no deadline.
         """
+        self.changes[0] += 1
         env_index = self.env_indices[position]
         if self._life.state is not EnvState.READY:
             self.require(EnvState.READY, command.name.lower(), env_index)
@@ -491,11 +530,13 @@ class WorkerSupervisor:
 
     def kill_for(self, cause: str) -> None:
         """Kill the worker now and respawn it: a death with this cause."""
+        self.changes[0] += 1
         self.handle.kill()
         self._restart(cause)
 
     def replace_worker(self) -> None:
         """Retire the worker and hand over to a new one (the standby, when it is ready)."""
+        self.changes[0] += 1
         self.handle.retire()
         self._life.spawn()
         self._life.become_ready()
@@ -504,6 +545,7 @@ class WorkerSupervisor:
 
     def _restart(self, cause: str) -> None:
         """After a death: every env of the worker lost its episode; respawn the worker."""
+        self.changes[0] += 1
         self._cuts.lose_all(cause)
         self._life.respawn(cause)
 

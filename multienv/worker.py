@@ -170,6 +170,7 @@ class _Loop:
         self.writer: SlotWriter | None = None  # set by ATTACH
         self.spin_s = spin_s
         self.is_trimmed = False  # the heap was trimmed after the first resets
+        self.planned_seq = 0  # of the planned step just run; any other request clears it
 
     def _trim_once(self) -> None:
         """After the worker's first batch with resets, give the heap's free pages back.
@@ -191,8 +192,11 @@ class _Loop:
             if kind == PLANNED_STEP or kind == PLANNED_STEP_COUNTED:
                 assert self.writer is not None
                 seq, items = self.writer.planned_items()
-                self._fast_batch(seq, items, kind == PLANNED_STEP_COUNTED, True)
+                if seq != self.planned_seq:  # a parent interrupted may wake it twice
+                    self.planned_seq = seq
+                    self._fast_batch(seq, items, kind == PLANNED_STEP_COUNTED, True)
                 continue
+            self.planned_seq = 0
             if kind == FAST_BATCH or kind == FAST_BATCH_COUNTED:
                 seq, raw_items = decode_fast_batch(request)
                 self._fast_batch(seq, list(raw_items), kind == FAST_BATCH_COUNTED, False)

@@ -145,15 +145,6 @@ class WorkerSeat:
         flags = framing.item_flags(is_reset, slots, batch.autoreset, batch.keep_np_randoms)
         return framing.fast_batch_frame(seq, framing.encode_items(batch.positions, flags)), seq
 
-    def planned_frame(self, plan: StepPlan, env_slice: slice, is_counted: bool) -> bytes:
-        """The message that sends this worker's slice of a planned step (its seq is ``seq``).
-
-        ``is_counted``: it is one of a round's batches (``done_pipes``).
-        """
-        self.next_seq()
-        self.take_planned(plan, env_slice)
-        return framing.PLANNED_FRAMES[is_counted]
-
     def take_planned(self, plan: StepPlan, env_slice: slice) -> None:
         """This worker's slice of a planned step is in flight; its seq is already numbered."""
         self._batch = None

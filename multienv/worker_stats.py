@@ -11,7 +11,7 @@ holds every env's steps and episodes, and each worker's counters become views of
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ class WorkerStats:
         self.steps = np.zeros(num_envs, dtype=np.int64)
         self.episodes = np.zeros(num_envs, dtype=np.int64)
         self.step_latencies_s: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+        self.vector: VectorCounters | None = None  # whose views steps and episodes are
         self.restarts = 0
         self.recycles = 0
         self.last_failure: str | None = None
@@ -45,6 +46,8 @@ class WorkerStats:
         self, batch: Batch, result: BatchResult, elapsed_s: float, failed: Sequence[int]
     ) -> None:
         """Count the steps of a batch that came back; ``failed`` items did not step."""
+        if self.vector is not None:
+            self.vector.flush()
         if len(batch.positions) == 1:  # one env (send/recv at k=1): scalars are faster
             if not failed and not batch.is_reset[0]:
                 position = batch.positions[0]
@@ -68,9 +71,22 @@ class WorkerStats:
             self.episodes[positions[is_step & done]] += 1
             self.step_latencies_s.append(elapsed_s)
 
+    def latencies(self) -> np.ndarray:
+        """The recent round trips of the worker's steps, in seconds: its own and the vector's."""
+        own = np.asarray(self.step_latencies_s, dtype=np.float64)
+        if self.vector is None:
+            return own
+        return np.concatenate([own, self.vector.latencies.recent()])
+
+    def flush(self) -> None:
+        """Bring steps and episodes up to date (a vector's data plane counts them lazily)."""
+        if self.vector is not None:
+            self.vector.flush()
+
     def row(self, position: int) -> dict[str, Any]:
         """What ``MultiEnv.stats()`` reports for the env at ``position``."""
-        latencies = np.asarray(self.step_latencies_s, dtype=np.float64)
+        self.flush()
+        latencies = self.latencies()
         p50, p99 = np.percentile(latencies, [50, 99]) if latencies.size else (np.nan, np.nan)
         return {
             "steps": int(self.steps[position]),
@@ -100,15 +116,38 @@ class WorkerStats:
 
     def note_spawn(self) -> None:
         """A new worker starts: budgets count from here."""
+        self.flush()
         self._born_at = (int(self.steps.sum()), int(self.episodes.sum()))
 
     def since_spawn(self) -> tuple[int, int]:
         """Steps and episodes of the current worker's envs since it started."""
+        self.flush()
         if len(self.steps) == 1:
             steps, episodes = int(self.steps[0]), int(self.episodes[0])
         else:
             steps, episodes = int(self.steps.sum()), int(self.episodes.sum())
         return steps - self._born_at[0], episodes - self._born_at[1]
+
+
+class LatencyRing:
+    """The latest round trips of a vector's data-plane steps, one per step for all workers.
+
+    A list, not an array: keeping one is a list store (``values[count % size] = ...``), which
+    costs a tenth of a numpy item store on every step.
+
+    Args:
+        size: How many are kept.
+    """
+
+    def __init__(self, size: int = _LATENCY_WINDOW) -> None:
+        """Start empty."""
+        self.values = [0.0] * size
+        self.size = size
+        self.count = 0
+
+    def recent(self) -> np.ndarray:
+        """The round trips kept, in no order."""
+        return np.asarray(self.values[: min(self.count, self.size)], dtype=np.float64)
 
 
 class VectorCounters:
@@ -122,11 +161,20 @@ class VectorCounters:
         """Start from zero; ``adopt`` takes each worker's counts over."""
         self.steps = np.zeros(num_envs, dtype=np.int64)
         self.episodes = np.zeros(num_envs, dtype=np.int64)
+        self.latencies = LatencyRing()
+        # Writes the counts a data plane holds back into steps and episodes (``flush``).
+        self.pending: Callable[[], None] | None = None
+
+    def flush(self) -> None:
+        """Bring steps and episodes up to date; before they are read."""
+        if self.pending is not None:
+            self.pending()
 
     def adopt(self, stats: WorkerStats, index: slice) -> None:
         """Make a worker's counters views of envs ``index`` of the vector's, keeping counts."""
         self.steps[index], self.episodes[index] = stats.steps, stats.episodes
         stats.steps, stats.episodes = self.steps[index], self.episodes[index]
+        stats.vector = self
 
     def note_planned(self, index: slice, is_reset: np.ndarray, done: np.ndarray) -> None:
         """Count envs ``index`` of a planned step that came back clean (``done``: ended)."""

@@ -1,0 +1,161 @@
+"""The data plane: a vector's healthy step in one pass, and what it hands over.
+
+Real workers throughout; the hand-overs are counted by wrapping ``DataPlane._hand_over``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode
+
+from multienv import MultiEnv
+from multienv.data_plane import DataPlane
+from multienv.framing import PLANNED_FRAMES
+from multienv.supervisor import WorkerSupervisor
+from tests.envs import CountingEnv, FixedLengthEnv, SleepyEnv
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def hand_overs(monkeypatch):
+    """How many steps the data plane handed over, and how many the supervisors finished."""
+    counts = {"hand_over": 0, "finish": 0}
+    hand_over, finish = DataPlane._hand_over, WorkerSupervisor.finish
+
+    def counted_hand_over(self, records):
+        counts["hand_over"] += 1
+        return hand_over(self, records)
+
+    def counted_finish(self):
+        counts["finish"] += 1
+        return finish(self)
+
+    monkeypatch.setattr(DataPlane, "_hand_over", counted_hand_over)
+    monkeypatch.setattr(WorkerSupervisor, "finish", counted_finish)
+    return counts
+
+
+def cartpole() -> gym.Env:
+    return gym.make("CartPole-v1")
+
+
+def test_healthy_steps_never_reach_the_supervisors(hand_overs):
+    with MultiEnv([cartpole] * 6, envs_per_worker=2) as envs:
+        assert envs._data_plane is not None
+        envs.reset(seed=0)
+        finished_by_reset = hand_overs["finish"]
+        for _ in range(300):  # episodes end and reset in it
+            envs.step(envs.action_space.sample())
+        assert hand_overs == {"hand_over": 0, "finish": finished_by_reset}
+
+
+@pytest.mark.parametrize("mode", list(AutoresetMode))
+def test_counts_held_back_are_the_steps_and_episodes_of_each_env(mode):
+    lengths = [3, 4, 5, 7]
+    fns = [lambda n=n: FixedLengthEnv(n) for n in lengths]
+    with MultiEnv(fns, envs_per_worker=2, autoreset_mode=mode) as envs:
+        envs.reset(seed=0)
+        steps, episodes = np.zeros(4, dtype=int), np.zeros(4, dtype=int)
+        ended = np.zeros(4, dtype=bool)
+        for t in range(600):  # past the 256 steps held back before a flush
+            if mode is AutoresetMode.DISABLED and ended.any():
+                envs.reset(options={"reset_mask": ended})
+                ended[:] = False
+            _, _, terminated, truncated, _ = envs.step(np.ones(4, dtype=np.int64))
+            stepped = ~ended if mode is AutoresetMode.NEXT_STEP else np.ones(4, dtype=bool)
+            steps += stepped
+            ended = terminated | truncated
+            episodes += ended
+            if t % 97 == 0:  # read between flushes too
+                assert [row["steps"] for row in envs.stats()] == steps.tolist()
+        assert [row["steps"] for row in envs.stats()] == steps.tolist()
+        assert [row["episodes"] for row in envs.stats()] == episodes.tolist()
+        assert [envs.envs[i].episodes for i in range(4)] == episodes.tolist()
+        assert np.isfinite(envs.stats()[0]["step_latency_p99_s"])
+
+
+def test_a_death_is_handed_over_and_the_data_plane_takes_the_next_steps(hand_overs):
+    with MultiEnv([lambda: CountingEnv(episode_length=1000)] * 4, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        actions = np.ones(4, dtype=np.int64)
+        envs.step(actions)  # the first step's infos register their schema: a hand-over
+        before = hand_overs["hand_over"]
+        os.kill(envs.envs[2].pid, signal.SIGKILL)
+        time.sleep(0.2)
+        _, _, _, truncated, infos = envs.step(actions)
+        assert truncated.tolist() == [False, False, True, True]
+        assert infos["multienv"]["cause"][2] == "SIGKILL"
+        assert hand_overs["hand_over"] == before + 1
+        for _ in range(3):  # the fresh worker's reset and step register their schemas again
+            obs, *_ = envs.step(actions)
+        after = hand_overs["hand_over"]
+        for _ in range(20):
+            obs, *_ = envs.step(actions)
+        assert hand_overs["hand_over"] == after
+        assert obs[:2, 0].tolist() == [25.0, 25.0]
+
+
+def test_ctrl_c_in_the_wait_leaves_the_vector_stepping_on():
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    with MultiEnv([lambda: SleepyEnv(0.3)] * 2, envs_per_worker=1) as envs:
+        envs.reset(seed=0)
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            with pytest.raises(KeyboardInterrupt):
+                envs.step(np.ones(2, dtype=np.int64))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        obs, rewards, *_ = envs.step(np.ones(2, dtype=np.int64))
+        # The interrupted step ran in the envs and was dropped; this one follows it.
+        assert obs[:, 0].tolist() == [2.0, 2.0]
+        assert rewards.tolist() == [1.0, 1.0]
+
+
+def test_step_wait_timeout_keeps_the_data_plane_step_in_flight():
+    with MultiEnv([lambda: SleepyEnv(0.3)] * 2) as envs:
+        envs.reset(seed=0)
+        envs.step_async(np.ones(2, dtype=np.int64))
+        assert envs._data_plane.is_in_flight()
+        with pytest.raises(TimeoutError):
+            envs.step_wait(timeout=0.05)
+        obs, *_ = envs.step_wait(timeout=10)
+        assert obs[:, 0].tolist() == [1.0, 1.0]
+        obs, *_ = envs.step(np.ones(2, dtype=np.int64))
+        assert obs[:, 0].tolist() == [2.0, 2.0]
+
+
+def test_a_worker_woken_twice_for_one_step_runs_it_once():
+    with MultiEnv([CountingEnv] * 4, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        actions = np.ones(4, dtype=np.int64)
+        for _ in range(2):
+            envs.step(actions)
+        plane = envs._data_plane
+        assert plane.send(actions)
+        for fd in plane._wake_fds:  # as after Ctrl-C among the wake-ups
+            os.write(fd, PLANNED_FRAMES[True])
+        obs, *_ = plane.receive()
+        assert obs[:, 0].tolist() == [3.0] * 4
+        obs, *_ = envs.step(actions)
+        assert obs[:, 0].tolist() == [4.0] * 4
+
+
+def test_a_hang_past_step_timeout_is_killed_as_a_death():
+    with MultiEnv([lambda: SleepyEnv(0.0, slow_s=30.0), CountingEnv], step_timeout=0.3) as envs:
+        envs.reset(seed=0)
+        began = time.monotonic()
+        _, _, _, truncated, infos = envs.step(np.ones(2, dtype=np.int64))
+        assert time.monotonic() - began < 5.0
+        assert truncated.tolist() == [True, False]
+        assert infos["multienv"]["cause"][0] == "timeout"
