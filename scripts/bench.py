@@ -5,7 +5,7 @@ Run:
     python scripts/bench.py --quick      # cheap N=16 only, 1 round (~2 min)
     python scripts/bench.py --plot docs/bench.png   # chart the last run's bench-results.json
     python scripts/bench.py --memory --cells halfcheetah:64,pong:64   # MiB per env
-    python scripts/bench.py --only-multienv --pinned   # k=1 and k=N/2 with pin_cpu=True
+    python scripts/bench.py --only-multienv --pinned   # k=1 and k=N/cores with pin_cpu=True
                                          # and False too (default: pinned when a CPU each)
     python scripts/bench.py --baseline /tmp/old --only-multienv   # A/B against another
                                          # checkout (e.g. git worktree add /tmp/old HEAD~1)
@@ -22,15 +22,17 @@ on MuJoCo); each is skipped, saying why, when its package is missing. On those, 
 (its own C++ port of the env, matched settings; skipped when not installed) and, for Pong,
 ale-py's own AtariVectorEnv join as peers, and "x EnvPool" is the ratio to EnvPool within
 each round. Every implementation steps the same pre-sampled random actions. multienv runs
-with ``envs_per_worker`` k in {1, N/2, N}; "multienv async" keeps every env in flight with
-``send``/``recv(batch_size=N // 2)``; the others step the whole batch in lock step.
+with ``envs_per_worker`` k in {1, ceil(N/cores), N}, the layouts follow the cores this
+process may use; "multienv async" keeps every env in flight with
+``send``/``recv(batch_size=N // 2)``, at k=1 and k=ceil(N/cores); the others step the whole
+batch in lock step.
 Gymnasium and multienv return copies of the observations (their default, ``copy=True``);
-PufferLib returns views, and so do the rows "multienv k=N/2 views" (``copy=False``) and
+PufferLib returns views, and so do the rows "multienv k=N/cores views" (``copy=False``) and
 "multienv k=... views spin" (the same in hot mode, ``wait="spin"``). Hot mode runs with as
 many workers as cores, and with one worker, which leaves a core to the parent: it then
 polls for the worker's answers too.
 
-"bare probe k=1", "bare probe k=N/2" and "bare probe k=... spin" are the floor of multienv's
+"bare probe k=1", "bare probe k=N/cores" and "bare probe k=... spin" are the floor of multienv's
 sleeping layouts and of its best hot one on this machine: the same forked workers, shared
 memory and wake-ups with nothing else (``scripts/bare_probe.py``). "x probe" is each row's
 ratio to the probe of its way of waiting (spin rows to the spinning one; k=1 rows to k=1),
@@ -67,7 +69,9 @@ from multienv import MultiEnv, RestartPolicy, SubprocessEnv
 
 @dataclasses.dataclass
 class Args:
-    cells: str = "cheap:8,cheap:16,cheap:64,bigobs:16,heavy:16,straggler:8"  # workload:N, ...
+    cells: str = (  # workload:N, ...
+        "cheap:8,cheap:16,cheap:64,bigobs:16,heavy:16,straggler:8,halfcheetah:64,pong:64"
+    )
     rounds: int = 3  # interleaved rounds; medians are reported
     seconds: float = 1.0  # rough wall time of the sequential loop's measurement
     kills: int = 50  # SIGKILLs for the respawn measurement
@@ -76,9 +80,9 @@ class Args:
     child: str = ""  # internal: run one fresh-process measurement and print it as JSON
     plot: str = ""  # draw the throughput of json_out as a PNG at this path, and exit
     baseline: str = ""  # a checkout of multienv: its multienv rows are measured too, interleaved
-    only_multienv: bool = False  # only multienv at k=1 and k=N/2, the loop and AsyncVectorEnv
+    only_multienv: bool = False  # only multienv at k=1 and k=N/cores, loop and AsyncVectorEnv
     memory: bool = False  # only memory: PSS of every implementation, for --cells
-    pinned: bool = False  # also measure multienv at k=1 and k=N/2 with pin_cpu True and False
+    pinned: bool = False  # also multienv at k=1 and k=N/cores with pin_cpu True and False
 
 
 # ----------------------------------------------------------------- workloads
@@ -329,11 +333,11 @@ def run_pufferlib(
 
 
 def run_multienv_async(
-    fns: list[Callable[[], gym.Env]], vector_steps: int, bank: list[Any]
+    fns: list[Callable[[], gym.Env]], k: int, vector_steps: int, bank: list[Any]
 ) -> Timer:
     n = len(fns)
     batch_size = max(1, n // 2)
-    with MultiEnv(fns) as envs:
+    with MultiEnv(fns, envs_per_worker=k) as envs:
         envs.reset()
         envs.send(bank[0])
         with Timer() as timer:
@@ -366,20 +370,24 @@ def implementations(n: int, workload: str = "cheap") -> list[str]:
         names.append("Tianshou ShmemVectorEnv")
     if is_installed("pufferlib.vector"):
         names += [f"PufferLib workers={w}" for w in (1, 2) if n % w == 0]
-    names += [f"multienv k={k}" for k in sorted({1, max(1, n // 2), n})]
-    half = max(1, n // 2)
-    names.append(f"multienv k={half} views")
+    names += [f"multienv k={k}" for k in sorted({1, per_core(n), n})]
+    names.append(f"multienv k={per_core(n)} views")
     names += [f"multienv k={k} spin" for k in spin_layouts(n)]
     # hot mode at its fastest, returning views as PufferLib does
     names += [f"multienv k={k} views spin" for k in spin_layouts(n)]
-    names.append("multienv async k=1")
+    names += [f"multienv async k={k}" for k in sorted({1, per_core(n)})]
     names += probe_layouts(n)
     return names
 
 
+def per_core(n: int) -> int:
+    """Envs per worker for as many workers as the cores this process may use."""
+    return -(-n // len(os.sched_getaffinity(0)))
+
+
 def probe_layouts(n: int) -> list[str]:
-    """The bare probe's rows: multienv's sleeping layouts k=1 and k=N/2, and its best hot one."""
-    sleeping = [f"bare probe k={k}" for k in sorted({1, max(1, n // 2)})]
+    """The bare probe's rows: multienv's sleeping layouts k=1 and k=N/cores, its best hot one."""
+    sleeping = [f"bare probe k={k}" for k in sorted({1, per_core(n)})]
     return [*sleeping, f"bare probe k={spin_layouts(n)[0]} spin"]
 
 
@@ -429,9 +437,9 @@ def run_implementation(
         return run_tianshou(fns, steps, bank)
     if name.startswith("PufferLib workers="):
         return run_pufferlib(fns, int(name.rpartition("=")[2]), steps, bank)
-    if name == "multienv async k=1":
-        return run_multienv_async(fns, steps, bank)
     k, _, variant = name.rpartition("=")[2].partition(" ")  # "... k=8 views spin"
+    if name.startswith("multienv async k="):
+        return run_multienv_async(fns, int(k), steps, bank)
     words = variant.split()
     if name.startswith("bare probe k="):
         from bare_probe import BareProbe  # scripts/, beside this file
@@ -458,9 +466,10 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
     """
     _, single_rate = WORKLOADS[workload]
     names = implementations(n, workload)
-    if args.only_multienv:  # the references, and multienv at k=1 and k=N/2
+    if args.only_multienv:  # the references, and multienv at k=1 and k=N/cores
         kept = {"sequential loop", "gymnasium AsyncVectorEnv", "multienv k=1", "EnvPool"}
-        kept.add(f"multienv k={max(1, n // 2)}")
+        kept.update((f"multienv k={per_core(n)}", "ale-py AtariVectorEnv"))
+        kept.update(f"multienv async k={k}" for k in sorted({1, per_core(n)}))
         for k in spin_layouts(n):
             kept.update((f"multienv k={k} spin", f"multienv k={k} views spin"))
         kept.update(probe_layouts(n))
@@ -468,7 +477,7 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
     if args.pinned:
         names += [
             f"multienv k={k} {variant}"
-            for k in sorted({1, max(1, n // 2)})
+            for k in sorted({1, per_core(n)})
             for variant in ("pinned", "unpinned")
         ]
     if args.baseline:

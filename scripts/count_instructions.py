@@ -272,7 +272,8 @@ def main(args: Args) -> None:
             counts[name] = [count(tree, child, args.steps) for _ in range(args.repeats)]
             medians[name].append((-(-n // k), float(np.median(counts[name]))))
             shown = ", ".join(f"{value:,.0f}" for value in counts[name])
-            print(f"  W={-(-n // k):<3} k={k:<3} {name:9s} {shown}", flush=True)
+            workers = f"W={-(-n // k):<3} " if args.side == "parent" else ""
+            print(f"  {workers}k={k:<3} {name:9s} {shown}", flush=True)
         if args.baseline:
             ratio = np.median(counts["this"]) / np.median(counts["baseline"])
             print(f"  k={k:<3} this/baseline {ratio:.3f}")
