@@ -86,14 +86,15 @@ class ColumnWriter:
         self._cells = cells
         self._buffer = cells.data
         self._row_bytes = cells.strides[0]
-        # (count, *keys, *types) -> (id, how its values pack into a row), or None: not plain
+        # (*keys, *types) -> (id, how its values pack into a row), or None: not plain
         self._known: dict[tuple[Any, ...], tuple[int, struct.Struct] | None] = {}
         self.pending: list[tuple[int, InfoSchema]] = []  # numbered, not yet sent
 
     def write(self, env_index: int, info: dict[str, Any]) -> bool:
         """Put ``info`` in the env's row; False (row cleared) if it must be pickled instead."""
         values = info.values()
-        signature = (len(info), *info, *map(type, values))
+        # Keys then types: the length says how many (n keys, 2n items), so no count.
+        signature = (*info, *map(type, values))
         try:  # one lookup, not two: on every step of every env
             entry = self._known[signature]
         except KeyError:
@@ -119,7 +120,7 @@ class ColumnWriter:
         return pending
 
     def _learn(self, signature: tuple[Any, ...], count: int) -> tuple[int, struct.Struct] | None:
-        keys, types = signature[1 : count + 1], signature[count + 1 :]
+        keys, types = signature[:count], signature[count:]
         schema = schema_of(tuple(keys), tuple(types))
         entry: tuple[int, struct.Struct] | None = None
         numbered = sum(1 for known in self._known.values() if known is not None)
