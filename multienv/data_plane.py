@@ -144,6 +144,7 @@ class DataPlane:
         self._is_unthanked = False  # a step since the check has not told the restart ledgers
         # The step in flight: what it was sent with.
         self._actions_sent: np.ndarray | None = None
+        self._records_read = b""  # its DONE records, once read
         self._target = 0
         self._sent_at = 0.0
         self._deadline: float | None = None
@@ -171,14 +172,14 @@ class DataPlane:
         self._plan_flags[:] = self._flags_to[target]
         seq = self._seq = self._seq % 255 + 1  # _check chose it apart from each worker's last
         self._seqs[:] = self._seq_bytes[seq]
-        if self._tokens:
-            os.write(self._tokens_write, self._tokens)
-        self._actions_sent, self._target = actions, target
-        self._sent_at = sent_at = time.perf_counter()
-        if self._timeouts is not None:
-            self._deadline = self._deadline_after(sent_at)
+        self._actions_sent, self._target, self._records_read = actions, target, b""
+        self._sent_at = time.perf_counter()
         frame, woken = self._frame, 0
         try:
+            if self._timeouts is not None:
+                self._deadline = self._deadline_after(self._sent_at)
+            if self._tokens:
+                os.write(self._tokens_write, self._tokens)
             for fd in self._wake_fds:
                 try:
                     os.write(fd, frame)
@@ -186,8 +187,9 @@ class DataPlane:
                     pass  # a dead worker: its sentinel ends the wait
                 woken += 1
         except BaseException:
-            # Ctrl-C among the wake-ups: wake the rest (a worker runs a seq once, however
-            # often it is woken for it), and let the control plane own the step.
+            # Ctrl-C before or among the wake-ups: wake the rest (a worker runs a seq once,
+            # however often it is woken for it) and let the control plane own the step; it
+            # drains the round's tokens, if they went out, before the next one.
             for fd in self._wake_fds[woken:]:
                 try:
                     os.write(fd, frame)
@@ -216,15 +218,19 @@ class DataPlane:
             if not events and not self._is_late():
                 return None  # the caller's timeout, not a worker's deadline
             return self._hand_over(b"")
-        records = os.read(self._done_read, self._records_bytes)
+        records = self._records_read = os.read(self._done_read, self._records_bytes)
         if self._tokens:
-            try:
-                records += os.read(self._quiet_read, self._records_bytes)  # the round's others
+            try:  # the round's other workers
+                records = self._records_read = records + os.read(
+                    self._quiet_read, self._records_bytes
+                )
             except BlockingIOError:
                 return self._hand_over(records)
         if self._status.tobytes() != self._seq_bytes[self._seq]:
             return self._hand_over(records)  # a worker answered with a message too
-
+        # Every worker is done and idle: from here on an exception loses this step's
+        # results to the caller, and nothing else (the workers answered in full).
+        self._actions_sent = None
         self._shared.move_all_to(self._target)
         rewards = self._rewards.copy()
         flags = self._flags.copy()
@@ -245,7 +251,6 @@ class DataPlane:
         latencies = self._latencies
         latencies.values[latencies.count % latencies.size] = time.perf_counter() - self._sent_at
         latencies.count += 1
-        self._actions_sent = None
         if self._is_unthanked:
             self._is_unthanked = False
             for supervisor in self._supervisors:
@@ -263,7 +268,7 @@ class DataPlane:
         (and drops) what the workers answer before it sends anything.
         """
         if self._actions_sent is not None:
-            self._hand_over(b"")
+            self._hand_over(self._records_read)
 
     # ----------------------------------------------------------------- off the healthy step
 
@@ -394,7 +399,7 @@ class DataPlane:
             actions,
             is_reset,
             self._is_same_step,
-            shared.next_slots(_ALL),
+            shared.whole_slots(self._target),
             int(np.count_nonzero(is_reset)),
             is_counted=bool(self._tokens),
         )

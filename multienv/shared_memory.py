@@ -227,6 +227,10 @@ class SharedBatch:
         slots: np.ndarray = 1 - self._slots()[env_ids]
         return slots
 
+    def whole_slots(self, slot: int) -> np.ndarray:
+        """Every env on ``slot``: the slots of a planned step whose observations go there."""
+        return self._whole[slot]
+
     def has_same_slot(self) -> bool:
         """Whether every env is known to be on one slot (then ``next_slots`` is shared)."""
         return self._same_slot is not None
