@@ -306,6 +306,7 @@ class DataPlane:
         done = self._shared.done
         done.drain_tokens()  # whatever rounds of the general path left
         done.drain(self._done_read)
+        done.forget_records()  # of batches collected already
         # The ends the workers read (``resolve_next_step``) become the vector's, which a
         # crash's truncation or a reset by the caller may have changed.
         needs_reset = self._autoreset.needs_reset
@@ -404,6 +405,7 @@ class DataPlane:
             is_counted=bool(self._tokens),
         )
         shared.done.open_round(is_written=True)
+        shared.done.forget_records()  # only this step's count from here on
         for supervisor, env_slice in zip(self._supervisors, self._env_slices, strict=True):
             deadline = supervisor.take_planned(plan, env_slice, self._sent_at)
             handle = supervisor.handle

@@ -269,6 +269,16 @@ class DoneChannels:
                 done_seq[worker_index] = seq
                 done_kind[worker_index] = kind
 
+    def forget_records(self) -> None:
+        """Drop every record read and not taken: none of them answers a batch in flight.
+
+        A vector's data plane calls it when it starts its rounds and when it hands one
+        over: the records it drained then are of batches already collected (the duplicate
+        a round's last worker writes to the done pipe, say). Kept, one whose seq comes round
+        again 255 batches later would answer that batch before its worker does.
+        """
+        self.done_seq[:] = [0] * len(self.done_seq)
+
     def pipes(self) -> tuple[int, int, int, int]:
         """The one group's done and quiet read ends, token write end and size (``data_plane``).
 

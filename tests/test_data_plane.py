@@ -16,7 +16,7 @@ from gymnasium.vector import AutoresetMode
 
 from multienv import MultiEnv
 from multienv.data_plane import DataPlane
-from multienv.framing import PLANNED_FRAMES
+from multienv.framing import DONE_REPLY, PLANNED_FRAMES
 from multienv.supervisor import WorkerSupervisor
 from tests.envs import CountingEnv, FixedLengthEnv, SleepyEnv
 
@@ -159,3 +159,26 @@ def test_a_hang_past_step_timeout_is_killed_as_a_death():
         assert time.monotonic() - began < 5.0
         assert truncated.tolist() == [True, False]
         assert infos["multienv"]["cause"][0] == "timeout"
+
+
+def test_a_stale_record_never_answers_a_step_handed_over(hand_overs):
+    # A record read and not taken (the done pipe's copy of a round's last record, say)
+    # whose seq came round again: after a death, the control plane would have taken it as
+    # the slow worker's answer and waited for ever for the reply it announced.
+    fns = [lambda: SleepyEnv(0.5), CountingEnv]
+    with MultiEnv(fns, envs_per_worker=1) as envs:
+        envs.reset(seed=0)
+        actions = np.ones(2, dtype=np.int64)
+        envs.step(actions)
+        envs.step(actions)
+        plane, done = envs._data_plane, envs._data_plane._shared.done
+        done.done_seq[0] = plane._seq % 255 + 1  # the next step's seq, as a stale record
+        done.done_kind[0] = DONE_REPLY
+        envs.step_async(actions)
+        os.kill(envs.envs[1].pid, signal.SIGKILL)
+        began = time.monotonic()
+        obs, _, _, truncated, _ = envs.step_wait()
+        assert time.monotonic() - began < 5.0
+        assert truncated.tolist() == [False, True]
+        assert obs[0, 0] == 3.0
+        assert hand_overs["hand_over"] >= 1
