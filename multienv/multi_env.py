@@ -101,6 +101,8 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         worker: Accepted so that ``AsyncVectorEnv``'s arguments pass, but only None: a
             multienv worker is not a function to replace (it is an ``EnvRunner`` under a
             supervisor that respawns it), so any other value raises ValueError.
+        env_fns: The env factories given by keyword, as ``AsyncVectorEnv(env_fns=...)`` and
+            ``gymnasium.make_vec`` pass them; instead of ``envs``.
         observation_mode: ``"same"`` (default): every env has the same observation space.
             ``"different"``: spaces may differ within what Gymnasium can batch
             (``batch_differing_spaces``); observations are then pickled. A tuple
@@ -111,7 +113,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
 
     def __init__(
         self,
-        envs: Iterable[RemoteEnv | Callable[[], gym.Env[Any, Any]]],
+        envs: Iterable[RemoteEnv | Callable[[], gym.Env[Any, Any]]] | None = None,
         *,
         autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
         copy: bool = True,
@@ -123,9 +125,17 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         daemon: bool = True,
         worker: Callable[..., Any] | None = None,
         observation_mode: str | tuple[gym.Space[Any], gym.Space[Any]] = "same",
+        env_fns: Iterable[Callable[[], gym.Env[Any, Any]]] | None = None,
         **options: Any,
     ) -> None:
         """Build or adopt the envs, check that their spaces match, and batch the spaces."""
+        if (envs is None) == (env_fns is None):
+            raise TypeError(
+                "MultiEnv() takes its envs once: as its first argument, or as env_fns= the way "
+                f"AsyncVectorEnv takes them; got envs={envs!r} and env_fns={env_fns!r}."
+            )
+        envs = envs if envs is not None else env_fns
+        assert envs is not None
         vector_checks.check_constructor(worker, observation_mode, max_concurrency)
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.copy = copy
@@ -139,7 +149,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             envs_per_worker,
             daemon,
             options,
-            keyword_options(MultiEnv.__init__) - {"self", "envs", "options"},
+            keyword_options(MultiEnv.__init__) - {"self", "envs", "env_fns", "options"},
         )
         if is_built and self.autoreset_mode is AutoresetMode.NEXT_STEP:
             warn_unbounded_batches(min(envs_per_worker, len(proxies)), options)  # steps + resets

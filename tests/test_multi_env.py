@@ -364,3 +364,13 @@ def test_ready_envs_a_vector_failed_to_link_still_answer():
     finally:
         for proxy in proxies:
             proxy.close()
+
+
+def test_env_fns_by_keyword_as_async_vector_env_takes_them():
+    with MultiEnv(env_fns=[CountingEnv] * 2) as envs:
+        obs, _ = envs.reset(seed=0)
+        assert obs.shape == (2, 1)
+    with pytest.raises(TypeError, match="takes its envs once"):
+        MultiEnv([CountingEnv], env_fns=[CountingEnv])
+    with pytest.raises(TypeError, match="takes its envs once"):
+        MultiEnv()
