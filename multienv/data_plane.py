@@ -28,13 +28,11 @@ import math
 import os
 import select
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from multienv.autoreset import Autoreset
 from multienv.framing import (
     IS_AUTORESET,
     IS_INFO_COLUMNS,
@@ -43,14 +41,11 @@ from multienv.framing import (
     PLANNED_FRAMES,
     poll_hot,
 )
-from multienv.info_columns import AddInfo
+from multienv.handles import StepBatch, VectorParts
 from multienv.process_handle import ProcessHandle
 from multienv.protocol import StepPlan
 from multienv.shared_memory import SharedBatch
-from multienv.supervisor import WorkerSupervisor
-from multienv.worker_stats import VectorCounters
 
-StepBatch = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
 _ALL = slice(None)
 _RECORDS_BYTES = 65536  # more than any group's records of one step
 _HELD_STEPS = 256  # steps whose counts are held back before they are written
@@ -61,29 +56,19 @@ class DataPlane:
 
     Args:
         shared: The vector's shared batch.
-        supervisors: The workers, by worker index, all in the shared batch's one group.
-        env_slices: Each worker's envs, a slice of the vector's.
-        autoreset: The vector's autoreset state; its ``needs_reset`` is kept here, lazily.
-        counters: The vector's steps, episodes and step latencies; counted here, lazily.
-        copy: Return a copy of the observations rather than the shared buffer.
-        add_info: Gymnasium's ``_add_info``, for the vector's size.
+        vector: The vector's workers (by worker index, all in the shared batch's one group,
+            each a run of its envs) and the state the data plane keeps for it: its
+            ``needs_reset``, steps and episodes lazily.
 
     Raises:
         ValueError: The workers are not in one group (the vector collects them on several
             threads); the vector then steps without a data plane.
     """
 
-    def __init__(
-        self,
-        shared: SharedBatch,
-        supervisors: Sequence[WorkerSupervisor],
-        env_slices: Sequence[slice],
-        autoreset: Autoreset,
-        counters: VectorCounters,
-        copy: bool,
-        add_info: AddInfo,
-    ) -> None:
+    def __init__(self, shared: SharedBatch, vector: VectorParts) -> None:
         """Share one change counter among the workers; nothing is checked or sent yet."""
+        supervisors, env_slices = vector.supervisors, vector.env_slices
+        autoreset, counters = vector.autoreset, vector.counters
         self._done_read, self._quiet_read, self._tokens_write, _ = shared.done.pipes()
         num_workers, num_envs = len(supervisors), shared.num_envs
         self._shared = shared
@@ -98,8 +83,8 @@ class DataPlane:
         self._counters = counters
         counters.pending = self._flush_counts
         self._latencies = counters.latencies
-        self._copy = copy
-        self._add_info = add_info
+        self._copy = vector.copy
+        self._add_info = vector.add_info
         self._changes = [0]
         for supervisor in supervisors:
             supervisor.changes = self._changes

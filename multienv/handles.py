@@ -194,25 +194,29 @@ class SharedMemoryLink(VectorLink, Protocol):
         see ``info_columns.ColumnReader.merge``.
         """
 
-    def open_data_plane(
-        self,
-        supervisors: Sequence[WorkerSupervisor],
-        env_slices: Sequence[slice],
-        autoreset: Autoreset,
-        counters: VectorCounters,
-        copy: bool,
-        add_info: AddInfo,
-    ) -> DataPlane | None:
-        """The vector's healthy step in one pass, or None if the link has none for it.
+    def open_data_plane(self, vector: VectorParts) -> DataPlane | None:
+        """The vector's healthy step in one pass, or None if the link has none for it."""
 
-        Args:
-            supervisors: The vector's workers, by worker index.
-            env_slices: Each worker's envs, a slice of the vector's.
-            autoreset: The vector's autoreset state, which the data plane keeps.
-            counters: The vector's counters, which the data plane keeps.
-            copy: Return a copy of the observations.
-            add_info: Gymnasium's ``_add_info`` for the vector's size.
-        """
+
+@dataclasses.dataclass(frozen=True)
+class VectorParts:
+    """What a vector gives its link's data plane: its workers, and the state it keeps.
+
+    Attributes:
+        supervisors: The vector's workers, by worker index.
+        env_slices: Each worker's envs, a slice of the vector's.
+        autoreset: The vector's autoreset state; the data plane keeps ``needs_reset``.
+        counters: The vector's steps, episodes and latencies; the data plane keeps them.
+        copy: Return a copy of the observations rather than the shared buffer.
+        add_info: Gymnasium's ``_add_info`` for the vector's size.
+    """
+
+    supervisors: Sequence[WorkerSupervisor]
+    env_slices: Sequence[slice]
+    autoreset: Autoreset
+    counters: VectorCounters
+    copy: bool
+    add_info: AddInfo
 
 
 class DataPlane(Protocol):

@@ -48,7 +48,7 @@ from multienv.fan_out import (
     reset_batches,
     step_batches,
 )
-from multienv.handles import DataPlane, SharedMemoryLink, keyword_options
+from multienv.handles import DataPlane, SharedMemoryLink, VectorParts, keyword_options
 from multienv.planning import PlanningApi
 from multienv.protocol import StepPlan
 from multienv.send_recv import InFlight, SendRecvApi
@@ -208,7 +208,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         self._data_plane: DataPlane | None = None
         if self._can_plan and self._plan_link is not None and len(self._fan_out.slices) == 1:
             if not self._is_limited():
-                self._data_plane = self._plan_link.open_data_plane(
+                parts = VectorParts(
                     [group.supervisor for group in groups],
                     [group.index for group in groups],
                     self._autoreset,
@@ -216,6 +216,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
                     self.copy,
                     self._assembly.add_info,
                 )
+                self._data_plane = self._plan_link.open_data_plane(parts)
         # Dropped unclosed (collected, or alive at exit), the vector kills its workers at
         # once, without waiting (``abandon_workers``); close() detaches this. It replaces the
         # proxies' own finalizers, so that one warning names the vector.

@@ -19,17 +19,14 @@ from gymnasium.error import CustomSpaceError
 from gymnasium.vector.utils import create_shared_memory
 
 from multienv import framing
-from multienv.autoreset import Autoreset
 from multienv.data_plane import DataPlane
 from multienv.done_pipes import DoneChannels
-from multienv.handles import VectorLink, WorkerHandle
+from multienv.handles import VectorLink, VectorParts, WorkerHandle
 from multienv.info_columns import AddInfo
 from multienv.process_handle import ProcessHandle
 from multienv.process_launch import poll_ms
 from multienv.protocol import StepPlan
 from multienv.shared_memory import BatchLayout, SharedBatch
-from multienv.supervisor import WorkerSupervisor
-from multienv.worker_stats import VectorCounters
 
 
 def open_subprocess_link(
@@ -179,26 +176,16 @@ class SubprocessLink:
         flags = shared.flags
         return shared.rewards[index], flags[0, index], flags[1, index]
 
-    def open_data_plane(
-        self,
-        supervisors: Sequence[WorkerSupervisor],
-        env_slices: Sequence[slice],
-        autoreset: Autoreset,
-        counters: VectorCounters,
-        copy: bool,
-        add_info: AddInfo,
-    ) -> DataPlane | None:
+    def open_data_plane(self, vector: VectorParts) -> DataPlane | None:
         """The vector's healthy step in one pass (``data_plane``), if its layout allows one.
 
         It needs planned steps (array spaces, each worker a run of the vector's envs in
-        order) and all workers in one group; the arguments are ``DataPlane``'s.
+        order) and all workers in one group.
         """
         if not self.can_plan or self._shared is None:
             return None
         try:
-            return DataPlane(
-                self._shared, supervisors, env_slices, autoreset, counters, copy, add_info
-            )
+            return DataPlane(self._shared, vector)
         except ValueError:  # several groups: the vector collects on several threads
             return None
 
