@@ -129,13 +129,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         **options: Any,
     ) -> None:
         """Build or adopt the envs, check that their spaces match, and batch the spaces."""
-        if (envs is None) == (env_fns is None):
-            raise TypeError(
-                "MultiEnv() takes its envs once: as its first argument, or as env_fns= the way "
-                f"AsyncVectorEnv takes them; got envs={envs!r} and env_fns={env_fns!r}."
-            )
-        envs = envs if envs is not None else env_fns
-        assert envs is not None
+        envs = vector_checks.envs_given(envs, env_fns)
         vector_checks.check_constructor(worker, observation_mode, max_concurrency)
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.copy = copy

@@ -7,7 +7,7 @@ here talks to a worker.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -35,6 +35,18 @@ def check_options(owner: str, options: Collection[str], valid: Collection[str]) 
             f"{owner}() got unexpected keyword argument(s) {unknown}; valid options are "
             f"{sorted(valid)}."
         )
+
+
+def envs_given(envs: Iterable[Any] | None, env_fns: Iterable[Any] | None) -> Iterable[Any]:
+    """MultiEnv's envs: its first argument, or ``env_fns=`` as AsyncVectorEnv takes them."""
+    if envs is not None and env_fns is None:
+        return envs
+    if envs is None and env_fns is not None:
+        return env_fns
+    raise TypeError(
+        "MultiEnv() takes its envs once: as its first argument, or as env_fns= the way "
+        f"AsyncVectorEnv takes them; got envs={envs!r} and env_fns={env_fns!r}."
+    )
 
 
 def check_constructor(worker: Any, observation_mode: Any, max_concurrency: int | None) -> None:
