@@ -18,6 +18,7 @@ from multienv import MultiEnv
 from multienv.data_plane import DataPlane
 from multienv.framing import DONE_REPLY, PLANNED_FRAMES
 from multienv.supervisor import WorkerSupervisor
+from tests.conftest import wait_until_dead
 from tests.envs import CountingEnv, FixedLengthEnv, SleepyEnv
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,8 +88,9 @@ def test_a_death_is_handed_over_and_the_data_plane_takes_the_next_steps(hand_ove
         actions = np.ones(4, dtype=np.int64)
         envs.step(actions)  # the first step's infos register their schema: a hand-over
         before = hand_overs["hand_over"]
-        os.kill(envs.envs[2].pid, signal.SIGKILL)
-        time.sleep(0.2)
+        dead = envs.envs[2].pid
+        os.kill(dead, signal.SIGKILL)
+        wait_until_dead([dead])
         _, _, _, truncated, infos = envs.step(actions)
         assert truncated.tolist() == [False, False, True, True]
         assert infos["multienv"]["cause"][2] == "SIGKILL"
@@ -174,8 +176,10 @@ def test_a_stale_record_never_answers_a_step_handed_over(hand_overs):
         plane, done = envs._data_plane, envs._data_plane._shared.done
         done.done_seq[0] = plane._seq % 255 + 1  # the next step's seq, as a stale record
         done.done_kind[0] = DONE_REPLY
+        dead = envs.envs[1].pid
+        os.kill(dead, signal.SIGKILL)  # before the step: its sentinel, not its answer, comes
+        wait_until_dead([dead])
         envs.step_async(actions)
-        os.kill(envs.envs[1].pid, signal.SIGKILL)
         began = time.monotonic()
         obs, _, _, truncated, _ = envs.step_wait()
         assert time.monotonic() - began < 5.0
