@@ -24,6 +24,7 @@ from typing import Any
 from gymnasium.error import ClosedEnvironmentError
 
 from multienv import module_server
+from multienv.cpu_claims import CpuClaim
 from multienv.framing import (
     DONE_OK,
     PLANNED_FRAMES,
@@ -76,12 +77,17 @@ class ProcessHandle:
         spin_s: How long a wait for the worker polls without sleeping first, yielding the
             core between polls (``wait="spin"`` with a core to spare; see
             ``worker_settings``); 0 sleeps at once.
+        cpu_claim: The CPU the worker is pinned to, held until the handle stops for good
+            (respawns keep it; ``cpu_claims``).
     """
 
-    def __init__(self, recipe: WorkerRecipe, spin_s: float = 0.0) -> None:
+    def __init__(
+        self, recipe: WorkerRecipe, spin_s: float = 0.0, cpu_claim: CpuClaim | None = None
+    ) -> None:
         """Keep what a spawn needs; no process is started yet."""
         self._recipe = recipe
         self._spin_s = spin_s
+        self._cpu_claim = cpu_claim
         self._env_index = recipe.env_index
         self._process: BaseProcess | None = None  # None once reaped
         self._pid: int | None = None
@@ -207,6 +213,8 @@ class ProcessHandle:
         for reaped in self._reaped:
             reaped.wait(max(0.0, timeout_s - (time.monotonic() - began)) + RETIRE_TIMEOUT_S)
         self._reaped.clear()
+        if self._cpu_claim is not None:
+            self._cpu_claim.release()
 
     def abandon(self) -> None:
         """Kill the worker and its standby now, with no lock, thread or wait (``WorkerHandle``).
@@ -222,6 +230,8 @@ class ProcessHandle:
         process = self._process
         if process is not None:
             kill_now(process)
+        if self._cpu_claim is not None:
+            self._cpu_claim.release()
 
     def _release(self) -> None:
         self._is_attach_sent = False

@@ -8,6 +8,7 @@ docstring holds the failure table. ``BACKEND`` registers this backend as ``"subp
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import multiprocessing
 import os
@@ -19,6 +20,7 @@ from typing import Any
 import gymnasium as gym
 
 from multienv import module_server
+from multienv.cpu_claims import Pin, plan_pins
 from multienv.env_proxy import RemoteEnv
 from multienv.factory import create_envs, supervise
 from multienv.forkserver import forkserver_context, forkserver_thread_env
@@ -100,7 +102,7 @@ def start_forkserver(
     names = _checked_preload(preload, "start_forkserver()")
     if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
         raise ValueError(f"start_forkserver(): spares must be an int >= 0, got {spares!r}")
-    settings = WorkerSettings.decide(blas_threads, False, 0, 0)
+    settings = WorkerSettings.decide(blas_threads, None, 0)
     module_server.allow_spares(spares)
     resolve_context("forkserver", names, settings.thread_env)
 
@@ -159,11 +161,12 @@ class SubprocessEnv(RemoteEnv):
             ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, and the pools already loaded),
             so that N workers do not start N full pools on the same cores. A variable set in
             this process's environment wins; None leaves the worker's pools as they are.
-        pin_cpu: Pin the worker to one CPU (worker w on the w-th CPU this process may use,
-            round robin). None (default): a vector with no more workers than the CPUs this
-            process may use pins them, one CPU each (``create_subprocess_envs`` and
-            ``MultiEnv`` decide); a lone ``SubprocessEnv`` is not pinned. See
-            docs/performance.rst.
+        pin_cpu: Pin the worker to one CPU, a free one first: a CPU is claimed for as long
+            as its worker lives, machine-wide, so that other runs and vectors pin elsewhere
+            (``multienv.cpu_claims``); beyond the free CPUs, round robin. None (default): a
+            vector pins its workers only if each gets a free CPU of those this process may
+            use, and else pins none (``create_subprocess_envs`` and ``MultiEnv`` decide); a
+            lone ``SubprocessEnv`` is not pinned. See docs/performance.rst.
         wait: "sleep" (default): the worker sleeps until its next request. "spin": hot
             mode: after each answer it polls for the next request for 2 ms before it
             sleeps, so its core stays awake, and each worker keeps a core busy. Refused
@@ -224,19 +227,23 @@ def _supervise(
     wait: str = "sleep",
     is_probe: bool = False,
     parent_spin: bool = False,
+    pin: Pin | None = None,
     **supervisor_options: Any,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one worker's handle and supervisor.
 
     ``supervisor_options`` are ``WorkerSupervisor``'s (timeouts, policies), as
     ``SubprocessEnv`` documents them. ``parent_spin``: the handle polls for ``SPIN_S``
-    before it sleeps on the worker (a hot vector's choice, ``parent_spins``).
+    before it sleeps on the worker (a hot vector's choice, ``parent_spins``). ``pin``: the
+    worker's CPU, as its vector planned it; a lone worker with ``pin_cpu=True`` claims one.
     """
     preload_names = _checked_preload(preload, f"env {first_env_index}")
-    worker_number = first_env_index // max(1, len(env_fns))
-    settings = WorkerSettings.decide(
-        blas_threads, bool(pin_cpu), worker_number, first_env_index, wait=wait
-    )
+    settings = WorkerSettings.decide(blas_threads, None, first_env_index, wait=wait)
+    if pin is None and pin_cpu:
+        pin = plan_pins(True, 1)[0]
+    if pin is not None:
+        settings = dataclasses.replace(settings, cpu=pin.cpu)
+    cpu_claim = None if pin is None else pin.claim
 
     def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
         # After the options are checked and the factories pickled: may start the server.
@@ -248,7 +255,7 @@ def _supervise(
         recipe = WorkerRecipe(
             resolved, env_fn_bytes, first_env_index, daemon, worker_settings, is_probe
         )
-        return ProcessHandle(recipe, spin_s=SPIN_S if parent_spin else 0.0)
+        return ProcessHandle(recipe, spin_s=SPIN_S if parent_spin else 0.0, cpu_claim=cpu_claim)
 
     return supervise(env_fns, first_env_index, make_handle, BACKEND, **supervisor_options)
 
@@ -279,6 +286,7 @@ def create_subprocess_envs(
         raise TypeError("create_subprocess_envs() numbers the envs itself; do not pass env_index")
     probe = parent_spin = False
     num_workers = 0
+    pins: list[Pin | None] = []
     if (
         not isinstance(envs_per_worker, bool)
         and isinstance(envs_per_worker, int)
@@ -287,13 +295,21 @@ def create_subprocess_envs(
         num_workers = -(-len(env_fns) // envs_per_worker)
         check_spinners(options.get("wait", "sleep"), num_workers)
         parent_spin = parent_spins(options.get("wait", "sleep"), num_workers)
-        if options.get("pin_cpu") is None:  # one CPU each, when there are enough
-            options = {**options, "pin_cpu": num_workers <= len(os.sched_getaffinity(0))}
         probe = bool(env_fns) and _should_probe(num_workers, options)
+        pin_cpu = options.pop("pin_cpu", None)
+        if not (pin_cpu is None or isinstance(pin_cpu, bool)):
+            raise TypeError(f"pin_cpu must be True, False or None, got {pin_cpu!r}")
+        # One free CPU each, claimed machine-wide (cpu_claims); after the checks above.
+        pins = plan_pins(pin_cpu, num_workers)
+
+    def supervise_worker(fns: Sequence[EnvFn], first: int) -> WorkerSupervisor:
+        pin = pins[first // envs_per_worker] if pins else None
+        return _supervise(fns, first, parent_spin=parent_spin, pin=pin, **options)
+
     envs = create_envs(
         env_fns,
         envs_per_worker,
-        lambda fns, first: _supervise(fns, first, parent_spin=parent_spin, **options),
+        supervise_worker,
         SubprocessEnv,
         "create_subprocess_envs",
         before_start=(lambda: _start_module_server(env_fns[0], options)) if probe else None,
@@ -309,7 +325,7 @@ def _start_module_server(env_fn: EnvFn, options: dict[str, Any]) -> None:
     Every worker of the vector then forks from the server: none imports the env's modules
     into memory of its own. An env_fn that fails fails here, as it would in its worker.
     """
-    supervisor = _supervise([env_fn], 0, is_probe=True, **options)
+    supervisor = _supervise([env_fn], 0, is_probe=True, **{**options, "pin_cpu": False})
     try:
         supervisor.start()
         supervisor.initialize()

@@ -8,9 +8,8 @@ user's own ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS``
 it builds its envs: the variables for libraries the env imports later, and threadpoolctl
 for the pools already loaded (the module server preloads numpy, whose pool is sized then).
 
-Pinning puts worker w on the w-th of the CPUs this process may use, round robin, with
-``os.sched_setaffinity``: asked for (``pin_cpu=True``), or decided by the vector when it has
-no more workers than those CPUs (``pin_cpu=None``, the default; ``subprocess_env``).
+Pinning puts a worker on one CPU with ``os.sched_setaffinity``; which CPU, and whether a
+vector pins at all, the parent decides with claims that other runs see (``cpu_claims``).
 
 ``wait="spin"`` (off by default) makes a worker poll its pipe for ``SPIN_S`` after each
 answer instead of sleeping at once, so its core stays awake for the next step: each worker
@@ -101,8 +100,7 @@ class WorkerSettings:
     def decide(
         cls,
         blas_threads: int | None,
-        pin_cpu: bool,
-        worker_number: int,
+        cpu: int | None,
         env_index: int,
         environ: Mapping[str, str] = os.environ,
         wait: str = "sleep",
@@ -111,8 +109,7 @@ class WorkerSettings:
 
         Args:
             blas_threads: Threads per BLAS/OpenMP pool in the worker; None leaves them be.
-            pin_cpu: Pin the worker to one CPU.
-            worker_number: The worker's place among its vector's workers.
+            cpu: The CPU to pin the worker to (``cpu_claims``); None: not pinned.
             env_index: The worker's first env, for messages.
             environ: The parent's environment: a thread variable set there wins.
             wait: "sleep", or "spin" to keep the worker's core awake between steps.
@@ -127,10 +124,6 @@ class WorkerSettings:
         thread_env: dict[str, str] = {}
         if blas_threads is not None:
             thread_env = {name: environ.get(name, str(blas_threads)) for name in THREAD_VARIABLES}
-        cpu = None
-        if pin_cpu:
-            cpus = sorted(os.sched_getaffinity(0))
-            cpu = cpus[worker_number % len(cpus)]
         return cls(thread_env, cpu, spin_s=SPIN_S if wait == "spin" else 0.0)
 
     def apply(self) -> None:

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from multienv import cpu_claims
 from multienv.procfs import process_table
 from multienv.worker import OS_NAME_PREFIX
 
@@ -177,6 +178,11 @@ class CollectionWatchdog:
 
 def pytest_configure(config: pytest.Config) -> None:
     CollectionWatchdog()
+    # CPU claims of this session's vectors only: a training run or another test session on
+    # the machine would otherwise leave the pinning tests no free CPU (cpu_claims).
+    claims = tempfile.mkdtemp(prefix="multienv-claims-")
+    os.environ[cpu_claims.DIR_VARIABLE] = claims
+    config.add_cleanup(lambda: shutil.rmtree(claims, ignore_errors=True))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
