@@ -18,7 +18,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 
-from multienv.errors import EnvStateError
+from multienv.errors import EnvStateError, raised_here
 from multienv.lifecycle import EnvState
 from multienv.protocol import Batch, BatchResult, Command, EnvDescription, EnvSnapshot
 from multienv.supervisor import WorkerSupervisor
@@ -105,11 +105,13 @@ class RemoteEnv(gym.Env[Any, Any]):
         """Where this env is in its lifecycle (its worker's, until it is closed)."""
         return EnvState.CLOSED if self._is_closed else self._supervisor.state
 
+    @raised_here
     def start(self) -> None:
         """Launch the worker, which starts building the env; returns without waiting."""
         self._check_open("start")
         self._supervisor.start()
 
+    @raised_here
     def initialize(self) -> None:
         """Wait until the worker has built the env, then cache spaces, metadata and spec.
 

@@ -11,10 +11,12 @@ training script can tell which env failed without parsing messages.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
-from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError
+from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError, ResetNeeded
 
 
 class MultiEnvError(Exception):
@@ -26,8 +28,20 @@ class MultiEnvError(Exception):
         self.env_index = env_index
 
 
+class MissingMainGuardError(MultiEnvError, RuntimeError):
+    """The user's script starts envs at its top level, with no ``__main__`` guard.
+
+    Every worker process imports the script to find the env factories it defines, and
+    would start envs again; raised before any worker starts.
+    """
+
+
 class EnvStateError(MultiEnvError, RuntimeError):
     """The call is not allowed in the env's current state, e.g. ``step()`` before ``start()``."""
+
+
+class ResetNeededError(EnvStateError, ResetNeeded):
+    """``step()`` before an env's first ``reset()``; Gymnasium's ``ResetNeeded`` too."""
 
 
 class NoPendingCallError(EnvStateError, NoAsyncCallError):
@@ -131,3 +145,27 @@ class EnvCrashLoopError(EnvCrashedError):
         self.restarts = restarts
         self.cause = cause
         self.stderr_tail = stderr_tail
+
+
+# What the user's code or env did, told in full by the message: multienv's own frames
+# between the public call and the raise say nothing more, so they are cut (``raised_here``).
+ERRORS_OF_USER_CODE = (EnvError, EnvCrashedError, MissingMainGuardError)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def raised_here(function: F) -> F:
+    """Re-raise ``ERRORS_OF_USER_CODE`` from ``function`` with its traceback cut there.
+
+    For public calls that build envs: the caller's traceback then ends at their own line
+    and this one, not at a dozen of multienv's frames. Other errors keep every frame.
+    """
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except ERRORS_OF_USER_CODE as exc:
+            raise exc.with_traceback(None) from exc.__cause__  # multienv's frames left out
+
+    return cast(F, wrapper)

@@ -18,6 +18,7 @@ import gymnasium as gym
 
 from multienv import vector_checks
 from multienv.env_proxy import RemoteEnv
+from multienv.errors import EnvError
 from multienv.handles import Backend, WorkerHandle, find_backend
 from multienv.space_bounds import share_bounds
 from multienv.supervisor import WorkerSupervisor
@@ -143,10 +144,8 @@ def create_envs(
             futures = [pool.submit(supervisor.initialize) for supervisor in supervisors]
             wait_futures(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]
-        for error in errors[1:]:
-            logger.error("initialize() failed too: %s", error)
         if errors:
-            raise errors[0]  # type: ignore[misc]
+            raise one_error(errors)  # type: ignore[arg-type]
         for env in envs:
             env.describe()
             share_bounds(env.observation_space, envs[0].observation_space)
@@ -156,6 +155,34 @@ def create_envs(
             supervisor.close(timeout=1.0)
         raise
     return envs
+
+
+def one_error(errors: list[BaseException]) -> BaseException:
+    """The first worker's error; the others' said once in it when the same, else logged.
+
+    An ``env_fn`` that raises usually raises the same in every worker: one message names
+    the other envs, rather than repeating it per env.
+    """
+    first, same = errors[0], []
+    for error in errors[1:]:
+        if _is_same_env_error(error, first):
+            same.append(str(error.env_index))  # type: ignore[attr-defined]
+        else:
+            logger.error("initialize() failed too: %s", error)
+    if same:
+        shown = ", ".join(same[:8]) + (", ..." if len(same) > 8 else "")
+        first.args = (f"{first.args[0]} Env(s) {shown} raised the same.", *first.args[1:])
+    return first
+
+
+def _is_same_env_error(error: BaseException, first: BaseException) -> bool:
+    cause, first_cause = error.__cause__, first.__cause__
+    return (
+        isinstance(error, EnvError)
+        and isinstance(first, EnvError)
+        and type(cause) is type(first_cause)
+        and str(cause) == str(first_cause)
+    )
 
 
 def proxies_for(

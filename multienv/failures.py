@@ -10,8 +10,11 @@ the caller sees, with the worker's traceback chained.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
+
+import gymnasium as gym
 
 from multienv.errors import EnvCrashedError, EnvCrashLoopError, EnvError, env_error_class
 from multienv.log_limit import failure_log
@@ -81,8 +84,8 @@ class RestartLedger:
         if policy.is_never:
             return EnvCrashedError(
                 f"env {env_index}: worker (pid {pid}){hosted} died ({cause}) and "
-                "RestartPolicy.never() is set; its last stderr lines follow. Fix the crash or "
-                f"allow restarts.\n{stderr_text}",
+                "RestartPolicy.never() is set; its last stderr lines follow. Fix the crash, or "
+                f"allow respawns: restart_policy=RestartPolicy() in MultiEnv.\n{stderr_text}",
                 env_index=env_index,
             )
         deaths = len(policy.recent(self._restart_times, time.monotonic())) + 1
@@ -90,8 +93,10 @@ class RestartLedger:
             f"env {env_index}: worker{hosted} died {deaths} times in {policy.window_s:g} s "
             f"(RestartPolicy max_restarts={policy.max_restarts}, "
             f"window_s={policy.window_s:g}); "
-            f"last cause {cause}; its last stderr lines follow. Fix the crash or loosen "
-            f"the policy.\n{stderr_text}",
+            f"last cause {cause}; its last stderr lines follow. Fix the crash, or allow more "
+            f"respawns: restart_policy=RestartPolicy(max_restarts="
+            f"{max(20, 4 * policy.max_restarts)}, window_s={policy.window_s:g}) in MultiEnv "
+            f"(from multienv import RestartPolicy).\n{stderr_text}",
             env_index=env_index,
             restarts=deaths,
             cause=cause,
@@ -120,13 +125,46 @@ def remote_error(
     error_class = env_error_class(
         type(failure.exception) if failure.exception is not None else None
     )
+    call = "env_fn" if name == "initialize" else f"{name}()"
     error = error_class(
-        f"env {env_index}: worker (pid {pid}) raised {failure.type_name} in "
-        f"{name}(): {failure.message}; see the worker traceback above. {advice}",
+        f"env {env_index}: {call} raised {failure.type_name} in its worker (pid {pid}): "
+        f"{failure.message}; the env's traceback is above. {advice}",
         env_index=env_index,
     )
     error.__cause__ = cause
     return error
+
+
+def registration_hint(failure: RemoteFailure) -> str:
+    """Advice for an env id the worker does not know but this process does; else "".
+
+    Workers import the user's script without running its ``__main__`` block, so an id
+    registered there (``gym.register``, ``gym.register_envs(ale_py)``) exists only here.
+    """
+    exc = failure.exception
+    if not isinstance(exc, gym.error.UnregisteredEnv):
+        return ""
+    text = str(exc)
+    specs = list(gym.registry.values())
+    namespace = re.search(r"Namespace (\S+) not found", text)
+    name = re.search(r"Environment `([^`]+)` doesn't exist", text)
+    version = re.search(r"version `v(\d+)` for environment `([^`]+)`", text)
+    if namespace:
+        known = any(spec.namespace == namespace[1] for spec in specs)
+    elif name:
+        known = any(spec.name == name[1] for spec in specs)
+    elif version:
+        known = any(s.name == version[2] and s.version == int(version[1]) for s in specs)
+    else:
+        known = False
+    if not known:
+        return ""
+    return (
+        " The env id is registered in this process but not in the worker, which imports "
+        'your script without running its `if __name__ == "__main__":` block: register it '
+        "at module level, or inside env_fn (e.g. `gym.register_envs(ale_py)` next to the "
+        "imports)."
+    )
 
 
 def envs_text(env_indices: Sequence[int]) -> str:

@@ -31,11 +31,14 @@ import logging
 import os
 import sys
 import sysconfig
+import traceback
 import types
 from collections.abc import Iterable
 from multiprocessing import process, spawn
 
 import numpy as np
+
+from multienv.errors import MissingMainGuardError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ def import_modules(names: Iterable[str]) -> None:
             logger.debug("fork source: importing %s failed; workers will import it", name)
 
 
-def import_main(main_path: str | None, *, is_raising: bool = False) -> bool:
+def import_main(main_path: str | None, *, is_raising: bool = False) -> BaseException | None:
     """Import the user's script as ``__mp_main__``, as multiprocessing would in a child.
 
     Args:
@@ -64,41 +67,61 @@ def import_main(main_path: str | None, *, is_raising: bool = False) -> bool:
             rather than log it (in a fork source, which must live).
 
     Returns:
-        False when the script raised; True when it is imported, or there is nothing to do.
+        What the script raised; None when it is imported, or there is nothing to do.
     """
     if main_path is None or getattr(sys.modules["__main__"], "__file__", None) == main_path:
-        return True
+        return None
     if not os.path.isfile(main_path):  # e.g. "<stdin>": nothing to import
         stand_in = types.ModuleType("__mp_main__")
         stand_in.__file__ = main_path
         sys.modules["__main__"] = sys.modules["__mp_main__"] = stand_in
-        return True
+        return None
     current = process.current_process()
     current._inheriting = True  # type: ignore[attr-defined]
     try:
         spawn.import_main_path(main_path)
-    except BaseException:
+    except BaseException as exc:
         if is_raising:
             raise
         logger.debug("fork source: importing %s failed; workers will import it", main_path)
-        return False
+        return exc
     finally:
         del current._inheriting  # type: ignore[attr-defined]
-    return True
+    return None
 
 
 def check_not_bootstrapping() -> None:
     """Refuse to start workers while a fork source (or a worker) imports the user's script.
 
     Raises:
-        RuntimeError: The script starts envs at its top level.
+        MissingMainGuardError: The script starts envs at its top level.
     """
     if getattr(process.current_process(), "_inheriting", False):
-        raise RuntimeError(
+        raise MissingMainGuardError(
             "multienv: your script starts envs at its top level, and that runs again in "
             "every process that imports the script to fork workers from it: move that "
             'under `if __name__ == "__main__":`.'
         )
+
+
+def starts_envs_at(failure: BaseException, main_path: str) -> str:
+    """Where in the user's script a ``MissingMainGuardError`` came from: file, line, code."""
+    frames = [f for f in traceback.extract_tb(failure.__traceback__) if f.filename == main_path]
+    if not frames:
+        return main_path
+    frame = frames[0]  # the top-level statement that started the envs
+    return f"{frame.filename}, line {frame.lineno}: {(frame.line or '').strip()}"
+
+
+def guard_missing_error(where: str) -> MissingMainGuardError:
+    """The parent's error for a script whose top level starts envs: one message, the fix."""
+    return MissingMainGuardError(
+        f"your script starts envs at its top level ({where}). Every worker process "
+        "imports the script to find the env factories it defines, and would start envs "
+        "again. Put the code that creates and uses the envs under "
+        '`if __name__ == "__main__":` (as multiprocessing needs for its "spawn" and '
+        '"forkserver" start methods).'
+    )
 
 
 def immortalize_and_freeze(*, include_frozen: bool = False) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from gymnasium.error import ClosedEnvironmentError
 
 from multienv.errors import EnvCrashedError, EnvError, EnvStateError
-from multienv.failures import RestartLedger, envs_text, remote_error
+from multienv.failures import RestartLedger, envs_text, registration_hint, remote_error
 from multienv.handles import Death
 
 if TYPE_CHECKING:
@@ -195,7 +195,8 @@ class WorkerLife:
         if reply.failure is not None:
             if self._restart_on_error:
                 return f"error: {reply.failure.type_name}"
-            advice = "The worker has exited; initialize() again tries env_fn in a new worker."
+            advice = "The worker has exited; fix env_fn and build the envs again."
+            advice += registration_hint(reply.failure)
             raise self.env_error(reply.failure, "initialize", reply.failure.position, advice)
         self.descriptions = reply.value
         return None

@@ -50,9 +50,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 
 from multienv import forkserver
-from multienv.fork_source import check_not_bootstrapping
+from multienv.fork_source import check_not_bootstrapping, guard_missing_error
 from multienv.module_server_process import (
     BOOTSTRAP,
+    MAIN_STARTS_ENVS,
     MAX_REQUEST,
     READY,
     STATUS,
@@ -193,9 +194,14 @@ class ModuleServer:
 
         Raises:
             OSError: It died, refused to serve, or took too long.
+            MissingMainGuardError: The user's script starts envs at its top level.
         """
         if not self._is_ready:
-            self._is_ready = self._answer() == READY
+            answer = self._answer()
+            if answer.startswith(MAIN_STARTS_ENVS):  # it exits: no worker starts anywhere
+                where = answer.removeprefix(MAIN_STARTS_ENVS).decode(errors="replace")
+                raise guard_missing_error(where)
+            self._is_ready = answer == READY
             if not self._is_ready:
                 raise OSError("the module server did not start")
 
@@ -244,7 +250,7 @@ class ModuleServer:
         """The server's next short answer, or b"" if it is gone or took too long."""
         self._sock.settimeout(_START_TIMEOUT_S)
         try:
-            return self._sock.recv(64)
+            return self._sock.recv(4096)
         except OSError:
             return b""
         finally:

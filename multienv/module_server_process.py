@@ -52,7 +52,13 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from multienv.fork_source import immortalize_and_freeze, import_main, import_modules
+from multienv.errors import MissingMainGuardError
+from multienv.fork_source import (
+    immortalize_and_freeze,
+    import_main,
+    import_modules,
+    starts_envs_at,
+)
 from multienv.protocol import OwnerWatch, worker_main, worker_module
 
 logger = logging.getLogger(__name__)
@@ -60,6 +66,7 @@ logger = logging.getLogger(__name__)
 STATUS = struct.Struct("<i")  # a pid, or an exit status: the code, or minus the signal
 READY = b"ready"
 REFUSED = b"refused"
+MAIN_STARTS_ENVS = b"main-starts-envs:"  # then where: the script's file, line and code
 MAX_REQUEST = 64 * 1024  # bytes; one datagram: factories and environment. Larger: forkserver
 SPARE_IDLE_S = 0.2  # the server forks a spare only after this long without a request
 MAX_SPARES = 64
@@ -117,8 +124,13 @@ def main(fd: int) -> None:
         start: ServerStart = pickle.loads(sock.recv(1 << 20))
         sys.argv[:] = start.argv
         import_modules([*BASE_MODULES, *start.preload])
+        failure = import_main(start.main_path)
+        if isinstance(failure, MissingMainGuardError) and start.main_path is not None:
+            # No worker would get further: the parent raises at once, with the line.
+            sock.send(MAIN_STARTS_ENVS + starts_envs_at(failure, start.main_path).encode())
+            return
         # A script that failed here fails again in each worker, which reports it.
-        main_failed = None if import_main(start.main_path) else start.main_path
+        main_failed = None if failure is None else start.main_path
         if threading.active_count() > 1:
             sock.send(REFUSED)
             return

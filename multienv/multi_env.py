@@ -34,6 +34,7 @@ from multienv.errors import (
     NoPendingCallError,
     PendingCallError,
     WaitTimeoutError,
+    raised_here,
 )
 from multienv.factory import proxies_for, warn_unbounded_batches
 from multienv.fan_out import (
@@ -111,6 +112,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             for Ray), used only when ``envs`` are factories.
     """
 
+    @raised_here
     def __init__(
         self,
         envs: Iterable[RemoteEnv | Callable[[], gym.Env[Any, Any]]] | None = None,

@@ -471,7 +471,7 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         """Show the traceback as the worker printed it."""
-        return "\n\nworker traceback:\n" + self.traceback_text
+        return "in the env's worker:\n" + self.traceback_text.rstrip("\n")
 
 
 class OwnerWatch(enum.Enum):

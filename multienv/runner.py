@@ -34,6 +34,7 @@ from multienv.protocol import (
     Request,
     pack_states,
 )
+from multienv.worker_tracebacks import restore_script_names, user_traceback
 
 ObsCheck = Callable[[Any], "str | None"]
 PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
@@ -70,7 +71,7 @@ class EnvRunner:
         """
         for position, env_fn_bytes in enumerate(self._env_fn_bytes):
             try:
-                env = adapt(cloudpickle.loads(env_fn_bytes)())
+                env = adapt(restore_script_names(cloudpickle.loads(env_fn_bytes))())
             except Exception as exc:
                 self.close()
                 raise BuildError(package_failure(exc, position)) from exc
@@ -282,13 +283,17 @@ class EnvRunner:
 
 
 def package_failure(exc: BaseException, position: int | None = None) -> RemoteFailure:
-    """Package an exception for the parent, keeping the object itself when it pickles."""
-    text = "".join(traceback.format_exception(exc))
+    """Package an exception for the parent, keeping the object itself when it pickles.
+
+    The traceback leaves out multienv's frames, and its last line when the exception
+    travels too: the parent shows it right after (``failures.remote_error``).
+    """
     try:
         pickle.dumps(exc)
         kept: BaseException | None = exc
     except Exception:  # noqa: BLE001 - any pickling failure means "send the text only"
         kept = None
+    text = user_traceback(exc, with_last_line=kept is None)
     return RemoteFailure(type(exc).__qualname__, str(exc), text, kept, position)
 
 

@@ -269,7 +269,8 @@ def _check_action_shapes(actions: Any, env_ids: Sequence[int], space: gym.Space[
         count = len(actions)
     except TypeError:
         raise TypeError(
-            f"expected a batch of {n} actions (one per env), got a {type(actions).__name__}."
+            f"expected a batch of {n} actions (one per env), got a single value of type "
+            f"{type(actions).__name__} ({actions!r:.40})."
         ) from None
     if count != n:
         raise ValueError(

@@ -57,6 +57,9 @@ def wait_until_dead(pids, within_s=10.0):
     raise AssertionError(f"{pids} still alive {within_s} s after SIGKILL")
 
 
+# How EnvError names a step that raised ValueError in its worker, as a regex.
+STEP_RAISED = r"step\(\) raised ValueError in its worker \(pid \d+\)"
+
 RAY_ACTOR_TITLE = "ray::MultienvWorker"  # what Ray calls the processes of our actors
 
 

@@ -183,7 +183,8 @@ def test_a_preloaded_module_that_raises_leaves_the_forkserver_serving(tmp_path):
     )
     done = run_python(["-"], input=script, path=[tmp_path])
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "raised RuntimeError in initialize(): broken at import" in done.stdout
+    assert "env_fn raised RuntimeError in its worker (pid" in done.stdout
+    assert "): broken at import;" in done.stdout
     assert "reset: [0.0]" in done.stdout
 
 
@@ -207,9 +208,7 @@ def test_bad_preload_is_rejected_before_anything_starts(preload, error, message)
 
 
 @pytest.mark.timeout(60)
-def test_a_script_that_starts_envs_at_its_top_level_gets_a_crash_loop_error_that_says_why(
-    tmp_path,
-):
+def test_a_script_that_starts_envs_at_its_top_level_gets_one_error_before_any_worker(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(
         textwrap.dedent(
@@ -222,10 +221,12 @@ def test_a_script_that_starts_envs_at_its_top_level_gets_a_crash_loop_error_that
     )
     done = run_python([str(script)])
     assert done.returncode == 1
-    # The workers' own tracebacks reach our stderr directly, and the error points at them.
-    assert "EnvCrashLoopError: env 0: worker died 2 times" in done.stderr
-    assert "last cause exit code 1" in done.stderr
-    assert 'move that under `if __name__ == "__main__":`' in done.stderr
+    # The module server found it importing the script: no worker started, none respawned.
+    assert "MissingMainGuardError: your script starts envs at its top level" in done.stderr
+    assert f"({script}, line 4: envs = MultiEnv(" in done.stderr
+    assert "EnvCrashLoopError" not in done.stderr
+    assert "respawning" not in done.stderr
+    assert 'under `if __name__ == "__main__":`' in done.stderr
 
 
 _WARM_SCRIPT = """

@@ -139,6 +139,9 @@ def test_crash_loop_spends_the_budget_then_raises_and_stays_broken() -> None:
     assert caught.value.restarts == 3
     assert caught.value.cause == "exit code 3"
     assert caught.value.stderr_tail == ("boom",)
+    assert "allow more respawns: restart_policy=RestartPolicy(max_restarts=20, window_s=60)" in str(
+        caught.value
+    )
     assert supervisor.state is EnvState.BROKEN
     with pytest.raises(EnvCrashLoopError):
         supervisor.submit(steps(1))
@@ -152,6 +155,7 @@ def test_never_policy_raises_env_crashed_error() -> None:
     with pytest.raises(EnvCrashedError) as caught:
         supervisor.finish()
     assert not isinstance(caught.value, EnvCrashLoopError)
+    assert "allow respawns: restart_policy=RestartPolicy() in MultiEnv" in str(caught.value)
 
 
 def test_backoff_waits_between_respawns_in_a_loop() -> None:
@@ -239,7 +243,7 @@ def test_env_exception_is_env_error_naming_the_env_and_worker_stays() -> None:
     _, errors = supervisor.run(steps(2))
     assert isinstance(errors[1], EnvError)
     assert errors[1].env_index == 1
-    assert "env 1: worker (pid 1001) raised ValueError in step(): bad action" in str(errors[1])
+    assert "env 1: step() raised ValueError in its worker (pid 1001): bad action" in str(errors[1])
     assert handle.kills == 0
     assert supervisor.stats.steps.tolist() == [1, 0]
 
