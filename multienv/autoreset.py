@@ -33,7 +33,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from multienv.errors import EnvStateError
+from multienv.errors import EnvStateError, ResetNeededError
 from multienv.framing import IS_NEXT_STEP, IS_RESET
 from multienv.protocol import Outcome
 
@@ -105,6 +105,8 @@ class Autoreset:
         self.mode = mode
         self.is_same_step = mode is AutoresetMode.SAME_STEP
         self._needs_reset = np.zeros(num_envs, dtype=np.bool_)  # the episode ended, not reset
+        self._never_reset = np.ones(num_envs, dtype=np.bool_)  # no reset (nor state set) yet
+        self.is_started = False  # every env was reset at least once
         # Brings ``needs_reset`` up to date; a vector's data plane keeps it lazily.
         self.pending: Callable[[], None] | None = None
 
@@ -122,6 +124,15 @@ class Autoreset:
 
     def check_can_step(self, env_ids: Any) -> None:
         """Raise before anything is sent if stepping these envs now is misuse."""
+        if not self.is_started:
+            never = np.flatnonzero(self._never_reset[env_ids])
+            if never.size:
+                env_index = int(np.arange(len(self._never_reset))[env_ids][never[0]])
+                raise ResetNeededError(
+                    f"env {env_index}: step() before the env's first reset(); call "
+                    "envs.reset(seed=...) first.",
+                    env_index=env_index,
+                )
         if self.mode is AutoresetMode.DISABLED:
             ended = np.flatnonzero(self.needs_reset[env_ids])
             if ended.size:
@@ -142,6 +153,9 @@ class Autoreset:
     def after_reset(self, env_ids: Any) -> None:
         """These envs were reset by the caller."""
         self.needs_reset[env_ids] = False
+        if not self.is_started:
+            self._never_reset[env_ids] = False
+            self.is_started = not self._never_reset.any()
 
     def after_step(self, env_ids: Any, terminated: np.ndarray, truncated: np.ndarray) -> None:
         """Note which episodes the step ended (SAME_STEP reset them already)."""

@@ -259,6 +259,8 @@ class DataPlane:
 
     def _check(self) -> bool:
         """Check every worker can take a planned step as sent here; cache their fds."""
+        if not self._autoreset.is_started:  # the general path says which env needs a reset
+            return False
         self._flush_counts()
         wake_fds, sentinels, spins = [], [], set()
         for supervisor in self._supervisors:

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gymnasium.error import ResetNeeded
 from gymnasium.vector import AutoresetMode
 
 from multienv.autoreset import Autoreset, same_step_info, step_env
@@ -52,6 +53,7 @@ def test_autoreset_rule(
     if ended:
         env.step(0)
     rule = Autoreset(mode, 1)
+    rule.after_reset([0])  # the vector's first reset, as env.reset() above
     obs, _reward, terminated, truncated, info, final = step_env(
         env, 0, 0, rule.is_same_step, no_check
     )
@@ -70,6 +72,17 @@ def test_autoreset_rule(
     rule.after_reset([0])
     assert rule.resets([0]).tolist() == [False]
     rule.check_can_step([0])
+
+
+@pytest.mark.parametrize("mode", list(AutoresetMode))
+def test_a_step_before_an_envs_first_reset_is_refused_naming_it(mode: AutoresetMode) -> None:
+    rule = Autoreset(mode, 3)
+    rule.after_reset([0, 2])  # a reset_mask that left env 1 out
+    rule.check_can_step([0, 2])
+    with pytest.raises(ResetNeeded, match=r"env 1: step\(\) before the env's first reset\(\)"):
+        rule.check_can_step(slice(None))
+    rule.after_reset([1])
+    rule.check_can_step(slice(None))
 
 
 def test_same_step_info_is_gymnasiums_final_obs_and_final_info() -> None:
