@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -146,3 +147,37 @@ def _ranges(numbers: list[int]) -> str:
 
 
 failure_log = FailureLog(logging.getLogger("multienv"))
+
+
+class NamedLastResort(logging.Handler):
+    """Python's last-resort output for multienv's records, with the name and level in front.
+
+    With no handler configured, Python prints a WARNING as its bare message, which reads as
+    if the user's own code had printed it. This handler, on the ``multienv`` logger, prints
+    ``multienv WARNING: <message>`` to stderr instead, and only then: once the program (or
+    a framework) configures a handler on the way up, it prints nothing and theirs decides.
+    """
+
+    def __init__(self) -> None:
+        """WARNING and above, as Python's own last resort."""
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("multienv %(levelname)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Print the record if nothing else would handle it."""
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:
+            if any(handler is not self for handler in logger.handlers):
+                return
+            logger = logger.parent if logger.propagate else None
+        stream = sys.stderr
+        if stream is None:
+            return
+        try:
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001 - as logging.StreamHandler: report, never raise
+            self.handleError(record)
+
+
+logging.getLogger("multienv").addHandler(NamedLastResort())

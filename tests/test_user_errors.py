@@ -1,0 +1,205 @@
+"""What a new user sees first when something is wrong: short errors, in their own terms.
+
+Each script runs in a fresh interpreter, as a user's would, with a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gymnasium.error import ResetNeeded
+
+from multienv import MultiEnv
+from multienv.errors import EnvStateError
+from multienv.worker_tracebacks import DYNAMIC_CODE, restore_script_names
+from tests.envs import CountingEnv
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_script(tmp_path: Path, source: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``source`` as the script ``train.py``, as ``python train.py``; and its seconds."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(source))
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    return done, time.monotonic() - began
+
+
+@pytest.mark.timeout(90)
+def test_a_script_without_the_main_guard_gets_one_short_error_before_any_worker_starts(tmp_path):
+    done, seconds = run_script(
+        tmp_path,
+        """\
+        import gymnasium as gym
+        from multienv import MultiEnv
+
+        envs = MultiEnv([lambda: gym.make("CartPole-v1")] * 4)
+        envs.reset(seed=0)
+        """,
+    )
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert lines[-1].startswith("multienv.errors.MissingMainGuardError: your script starts envs")
+    assert f"({tmp_path / 'train.py'}, line 4: envs = MultiEnv(" in lines[-1]
+    assert 'under `if __name__ == "__main__":`' in lines[-1]
+    assert "respawning" not in done.stderr  # no worker started, none respawned
+    assert len(lines) < 40, done.stderr
+    assert seconds < 3.0, f"took {seconds:.1f} s"
+
+
+@pytest.mark.timeout(90)
+def test_an_env_id_registered_only_under_the_guard_gets_the_registration_hint(tmp_path):
+    done, _ = run_script(
+        tmp_path,
+        """\
+        import gymnasium as gym
+        from multienv import EnvError, MultiEnv
+
+        if __name__ == "__main__":
+            gym.register(id="ParentOnly-v0", entry_point="tests.envs:CountingEnv")
+            for env_id in ("ParentOnly-v0", "Nowhere-v0"):
+                try:
+                    MultiEnv([lambda: gym.make(env_id)] * 2)
+                except EnvError as error:
+                    print(env_id, "->", error)
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    parent_only, nowhere = done.stdout.splitlines()
+    assert parent_only.startswith("ParentOnly-v0 -> env 0: env_fn raised NameNotFound")
+    assert "registered in this process but not in the worker" in parent_only
+    assert "register it at module level, or inside env_fn" in parent_only
+    assert "registered in this process" not in nowhere  # no hint for a typo
+
+
+@pytest.mark.timeout(90)
+def test_a_constructor_error_reads_like_the_users_own_code(tmp_path):
+    done, _ = run_script(
+        tmp_path,
+        """\
+        import gymnasium as gym
+        from multienv import MultiEnv
+
+
+        def make_broken():
+            env = gym.make("CartPole-v1")
+            raise ValueError("bad config: pole length must be positive")
+
+
+        if __name__ == "__main__":
+            with MultiEnv([make_broken] * 2) as envs:
+                envs.reset(seed=0)
+        """,
+    )
+    assert done.returncode == 1
+    text = done.stderr
+    script = tmp_path / "train.py"
+    assert f'File "{script}", line 7, in make_broken' in text  # the user's file and line
+    assert 'raise ValueError("bad config: pole length must be positive")' in text  # source
+    assert f'File "{script}", line 11, in <module>' in text
+    assert DYNAMIC_CODE not in text
+    assert "multienv/factory.py" not in text
+    assert "multienv/lifecycle.py" not in text
+    assert "frame(s) of multienv's worker left out" in text
+    last = text.splitlines()[-1]
+    assert last.startswith("multienv.errors.EnvError[ValueError]: env 0: env_fn raised ValueError")
+    assert "fix env_fn and build the envs again. Env(s) 1 raised the same." in last
+    assert "initialize()" not in text  # advice in MultiEnv's terms
+    assert text.count("bad config: pole length must be positive") == 3  # the env's, ours, source
+    assert len(text.splitlines()) <= 22, text
+
+
+def test_code_pickled_by_value_gets_the_scripts_file_back(monkeypatch, tmp_path):
+    """cloudpickle >= 3.1 names such code "<dynamic-code>"; the worker renames it."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "def make():\n"
+        "    def inner():\n"
+        "        return helper()\n"
+        "    return inner\n"
+        "def helper():\n"
+        "    return 1\n"
+        "class MyEnv:\n"
+        "    def step(self):\n"
+        "        return 2\n"
+    )
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(script.read_text(), DYNAMIC_CODE, "exec"), namespace)  # as unpickled
+    make, my_env = namespace["make"], namespace["MyEnv"]
+    assert make.__code__.co_filename == DYNAMIC_CODE
+
+    assert restore_script_names(make) is make
+    assert make.__code__.co_filename == str(script)
+    assert make().__code__.co_filename == str(script)  # nested code too
+    assert namespace["helper"].__code__.co_filename == str(script)  # what it calls
+    restore_script_names(my_env)
+    assert my_env.step.__code__.co_filename == str(script)
+
+
+def test_step_before_reset_is_refused_here_and_sends_nothing():
+    with MultiEnv([CountingEnv] * 2) as envs:
+        with pytest.raises(ResetNeeded, match=r"env 0: step\(\) before the env's first reset"):
+            envs.step(np.zeros(2, dtype=np.int64))
+        with pytest.raises(EnvStateError) as caught:
+            envs.send(np.zeros(2, dtype=np.int64))
+        assert caught.value.__cause__ is None  # ours, not a worker's traceback
+        envs.reset(seed=0)
+        obs, *_ = envs.step(np.ones(2, dtype=np.int64))
+        assert obs.tolist() == [[1.0], [1.0]]  # the refused steps never reached the envs
+
+
+def test_step_after_set_states_needs_no_reset():
+    with MultiEnv([CountingEnv] * 2) as envs:
+        envs.reset(seed=0)
+        states = envs.get_states()
+    with MultiEnv([CountingEnv] * 2) as envs:
+        envs.set_states(states)
+        envs.step(np.ones(2, dtype=np.int64))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("configured", [False, True])
+def test_a_failure_line_names_multienv_and_its_level_once(tmp_path, configured):
+    done, _ = run_script(
+        tmp_path,
+        f"""\
+        import logging, os, signal
+        import numpy as np
+        from multienv import MultiEnv
+        from tests.envs import CountingEnv
+
+        if __name__ == "__main__":
+            if {configured}:
+                logging.basicConfig(format="%(levelname)s %(name)s | %(message)s")
+            with MultiEnv([CountingEnv] * 2) as envs:
+                envs.reset(seed=0)
+                os.kill(envs.envs[1].pid, signal.SIGKILL)
+                envs.step(np.zeros(2, dtype=np.int64))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    died = [line for line in done.stderr.splitlines() if "died (SIGKILL); respawning" in line]
+    assert len(died) == 1, done.stderr
+    if configured:  # the user's format, and nothing of ours beside it
+        assert died[0].startswith("WARNING multienv | env 1: worker pid")
+    else:
+        assert died[0].startswith("multienv WARNING: env 1: worker pid")
