@@ -3,6 +3,12 @@
 Public API only: re-exports, ``__all__`` and ``__version__``.
 """
 
+from multienv.backends.ray.ray_env import RayEnv, RayOptions, create_ray_envs
+from multienv.backends.subprocess.subprocess_env import (
+    SubprocessEnv,
+    create_subprocess_envs,
+    start_forkserver,
+)
 from multienv.errors import (
     EnvCrashedError,
     EnvCrashLoopError,
@@ -11,14 +17,12 @@ from multienv.errors import (
     MultiEnvError,
 )
 from multienv.evaluation import EvaluationResult, evaluate
-from multienv.lifecycle import EnvState
-from multienv.multi_env import MultiEnv
-from multienv.protocol import EnvSnapshot, RemoteTraceback
-from multienv.ray_env import RayEnv, RayOptions, create_ray_envs
 from multienv.recycle import RecyclePolicy
 from multienv.registration import make_vec
 from multienv.restart import RestartPolicy
-from multienv.subprocess_env import SubprocessEnv, create_subprocess_envs, start_forkserver
+from multienv.supervision.lifecycle import EnvState
+from multienv.vector.multi_env import MultiEnv
+from multienv.wire.protocol import EnvSnapshot, RemoteTraceback
 
 __version__ = "0.1.0"
 

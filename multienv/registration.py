@@ -8,7 +8,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from multienv.multi_env import MultiEnv
+from multienv.vector.multi_env import MultiEnv
 
 
 def make_vec(

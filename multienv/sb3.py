@@ -29,7 +29,7 @@ from stable_baselines3.common.vec_env.base_vec_env import (
     VecEnvStepReturn,
 )
 
-from multienv.multi_env import MultiEnv
+from multienv.vector.multi_env import MultiEnv
 
 _FINAL_KEYS = ("final_obs", "final_info")
 

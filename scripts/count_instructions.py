@@ -134,11 +134,11 @@ def run_probe(env_name: str, k: int, steps: int, num_envs: int) -> None:
 def run_worker(env_name: str, steps: int, num_envs: int = 8) -> None:
     import cloudpickle
 
-    from multienv import framing
-    from multienv.done_pipes import DoneNotifier
-    from multienv.runner import EnvRunner
-    from multienv.shared_memory import SharedBatch, SlotWriter
-    from multienv.worker import _Loop
+    from multienv.wire import framing
+    from multienv.wire.done_pipes import DoneNotifier
+    from multienv.wire.shared_memory import SharedBatch, SlotWriter
+    from multienv.worker.runner import EnvRunner
+    from multienv.worker.worker import _Loop
 
     probe = make_env(env_name)
     shared = SharedBatch(probe.observation_space, probe.action_space, num_envs, [[0]])

@@ -48,8 +48,8 @@ import gymnasium as gym
 import numpy as np
 
 from multienv import EnvError, MultiEnv, RecyclePolicy, RestartPolicy
-from multienv.procfs import process_table, resident_mb
-from multienv.worker import OS_NAME_PREFIX
+from multienv.wire.procfs import process_table, resident_mb
+from multienv.worker.worker import OS_NAME_PREFIX
 
 ROLES = ("leaky", "flaky", "hangs", "raises")
 

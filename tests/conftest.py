@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from multienv import cpu_claims
-from multienv.procfs import process_table
-from multienv.worker import OS_NAME_PREFIX
+from multienv.backends.subprocess import cpu_claims
+from multienv.wire.procfs import process_table
+from multienv.worker.worker import OS_NAME_PREFIX
 
 
 def descendant_workers(name: str | None = None) -> list[int]:

@@ -9,9 +9,9 @@ import pytest
 from gymnasium.error import ResetNeeded
 from gymnasium.vector import AutoresetMode
 
-from multienv.autoreset import Autoreset, same_step_info, step_env
 from multienv.errors import EnvStateError
-from multienv.protocol import Outcome
+from multienv.wire.autoreset import Autoreset, same_step_info, step_env
+from multienv.wire.protocol import Outcome
 
 
 class Toy:

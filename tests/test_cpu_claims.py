@@ -13,8 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from multienv import MultiEnv, cpu_claims
-from multienv.cpu_claims import try_claim
+from multienv import MultiEnv
+from multienv.backends.subprocess import cpu_claims
+from multienv.backends.subprocess.cpu_claims import try_claim
 from tests.conftest import wait_until_dead
 from tests.envs import ThreadProbe
 

@@ -15,9 +15,9 @@ import pytest
 from gymnasium.vector import AutoresetMode
 
 from multienv import MultiEnv
-from multienv.data_plane import DataPlane
-from multienv.framing import DONE_REPLY, PLANNED_FRAMES
-from multienv.supervisor import WorkerSupervisor
+from multienv.backends.subprocess.data_plane import DataPlane
+from multienv.supervision.supervisor import WorkerSupervisor
+from multienv.wire.framing import DONE_REPLY, PLANNED_FRAMES
 from tests.conftest import wait_until_dead
 from tests.envs import CountingEnv, FixedLengthEnv, SleepyEnv
 

@@ -10,7 +10,7 @@ import multienv
 
 # Modules whose import needs an optional extra are checked only when it is installed.
 OPTIONAL = {"multienv.sb3": "stable_baselines3"}
-MODULES = sorted(info.name for info in pkgutil.iter_modules(multienv.__path__, prefix="multienv."))
+MODULES = sorted(info.name for info in pkgutil.walk_packages(multienv.__path__, prefix="multienv."))
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -17,10 +17,11 @@ import time
 import numpy as np
 import pytest
 
-from multienv import MultiEnv, done_pipes
-from multienv.done_pipes import DoneChannels, DoneNotifier
-from multienv.done_pipes import _drain as _real_drain
-from multienv.framing import DONE_OK, DONE_REPLY
+from multienv import MultiEnv
+from multienv.wire import done_pipes
+from multienv.wire.done_pipes import DoneChannels, DoneNotifier
+from multienv.wire.done_pipes import _drain as _real_drain
+from multienv.wire.framing import DONE_OK, DONE_REPLY
 from tests.envs import HangOnStep, QuietSlowReset, SleepyEnv
 
 

@@ -12,7 +12,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from multienv.fork_source import _write_words
+from multienv.backends.subprocess.forking.fork_source import _write_words
 from tests.test_forkserver import run_python
 
 IS_SUPPORTED = (
@@ -27,7 +27,7 @@ needs_immortal_objects = pytest.mark.skipif(
 )
 
 _REFCOUNT_SCRIPT = """
-from multienv.fork_source import immortal_refcount
+from multienv.backends.subprocess.forking.fork_source import immortal_refcount
 print(immortal_refcount())
 """
 
@@ -44,7 +44,7 @@ def test_immortal_refcount_is_known_only_where_the_object_header_is(variable):
 
 _IMMORTALIZE_SCRIPT = """
 import gc, json, sys, weakref
-from multienv.fork_source import immortalize_and_freeze
+from multienv.backends.subprocess.forking.fork_source import immortalize_and_freeze
 
 def function():
     return "a constant of its code"

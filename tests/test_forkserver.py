@@ -232,7 +232,7 @@ def test_a_script_that_starts_envs_at_its_top_level_gets_one_error_before_any_wo
 _WARM_SCRIPT = """
 import numpy as np
 import multienv
-from multienv.forkserver import forkserver_thread_env
+from multienv.backends.subprocess.forking.forkserver import forkserver_thread_env
 from tests.envs import CountingEnv
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from multienv import framing
-from multienv.protocol import Command, Request
+from multienv.wire import framing
+from multienv.wire.protocol import Command, Request
 
 
 @pytest.mark.parametrize("size", [1, 2, 7])

@@ -10,7 +10,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, VectorEnv
 
 from multienv import MultiEnv
-from multienv.info_columns import MAX_CELLS, ColumnReader, ColumnWriter, InfoSchema, schema_of
+from multienv.wire.info_columns import MAX_CELLS, ColumnReader, ColumnWriter, InfoSchema, schema_of
 from tests.envs import CountingEnv, PidInfoEnv, VaryingInfoEnv
 from tests.test_multi_env import assert_same_tree, run_side_by_side
 

@@ -5,7 +5,7 @@ import pytest
 from gymnasium.vector import AutoresetMode
 
 from multienv import MultiEnv
-from multienv.legacy import LegacyEnv, adapt
+from multienv.worker.legacy import LegacyEnv, adapt
 from tests.envs import CountingEnv, OldApiEnv, OptionsEcho
 
 # Env 0 always plays 0: its 4th step is a time-limit truncation. Env 1 plays 2 on its 2nd

@@ -18,7 +18,8 @@ _MEMORY_SCRIPT = """
 import json, os
 import gymnasium as gym
 import numpy as np
-from multienv import MultiEnv, module_server
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
 
 def private_mib(pid):
     with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -77,7 +78,8 @@ def test_a_cartpole_worker_forked_from_the_module_server_stays_small(collect):
 _SERVER_DEATH_SCRIPT = """
 import os, signal
 import numpy as np
-from multienv import MultiEnv, module_server
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
 from tests.conftest import wait_until_dead
 from tests.envs import CountingEnv
 
@@ -115,7 +117,8 @@ def test_when_the_module_server_dies_its_workers_are_respawned_from_the_forkserv
 _GONE_READER_SCRIPT = """
 import os, signal, time
 import numpy as np
-from multienv import MultiEnv, module_server
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
 from tests.conftest import wait_until_dead
 from tests.envs import CountingEnv
 
@@ -155,7 +158,8 @@ def test_a_worker_whose_status_has_no_reader_left_does_not_take_the_server_down(
 _LARGE_FACTORY_SCRIPT = """
 import functools, os
 import numpy as np
-from multienv import MultiEnv, module_server
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
 from tests.envs import CountingEnv
 
 def make_env(payload):
@@ -183,7 +187,8 @@ def test_factories_too_large_for_one_request_start_from_the_forkserver():
 
 _PROBE_FAILS_SCRIPT = """
 import os, threading
-from multienv import EnvError, MultiEnv, module_server
+from multienv import EnvError, MultiEnv
+from multienv.backends.subprocess.forking import module_server
 from tests.conftest import live_workers
 from tests.envs import CountingEnv, RaiseInInit
 
@@ -224,7 +229,8 @@ def test_bad_input_stops_before_the_probe_and_a_failing_env_0_leaves_no_worker()
 _PROBE_SEGFAULTS_SCRIPT = """
 import os
 import numpy as np
-from multienv import MultiEnv, module_server
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
 from tests.conftest import live_workers
 from tests.envs import CountingEnv, _crash_once, segfault
 
@@ -261,8 +267,9 @@ def test_a_probe_that_segfaults_is_respawned_and_the_vector_still_shares(tmp_pat
 _NO_FORKSERVER_SCRIPT = """
 import json, os
 import numpy as np
-from multienv import MultiEnv, module_server
-from multienv.procfs import process_table
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
+from multienv.wire.procfs import process_table
 from tests.envs import CountingEnv
 
 if True:  # run with -c: no script file for workers to import
@@ -320,8 +327,9 @@ def run_with_threaded_package(directory, script):
 _THREAD_AT_IMPORT_SCRIPT = """
 import json, os, signal
 import numpy as np
-from multienv import MultiEnv, module_server
-from multienv.procfs import process_table
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
+from multienv.wire.procfs import process_table
 from tests.conftest import wait_until_dead
 
 def make_env():
@@ -384,8 +392,9 @@ def test_workers_of_an_immortal_server_copy_2_mib_fewer_pages():
 _THREADED_SCRIPT = """
 import json, os, threading, time
 import numpy as np
-from multienv import MultiEnv, module_server
-from multienv.procfs import process_table
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
+from multienv.wire.procfs import process_table
 from tests.envs import CountingEnv
 
 # At the top level: it runs in every process that imports the script, fork sources too.
@@ -422,9 +431,10 @@ def test_a_script_that_starts_a_thread_at_import_gets_its_workers_from_the_forks
 
 _LAUNCH_AFTER_REFUSAL_SCRIPT = """
 import multiprocessing, os
-from multienv import MultiEnv, module_server
-from multienv.module_server_process import WorkerArgs
-from multienv.worker_settings import WorkerSettings
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
+from multienv.backends.subprocess.forking.module_server_process import WorkerArgs
+from multienv.wire.worker_settings import WorkerSettings
 
 def make_env():
     import threaded_package  # starts a thread when imported
@@ -461,8 +471,9 @@ _KILLED_BEFORE_READY_SCRIPT = """
 import json, os, signal
 import numpy as np
 import multienv
-from multienv import MultiEnv, module_server
-from multienv.procfs import process_table
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
+from multienv.wire.procfs import process_table
 from tests.envs import CountingEnv
 
 if True:  # run with -c: no script file for workers to import
@@ -498,8 +509,9 @@ _SPARES_SCRIPT = """
 import json, os, signal, sys, time
 import numpy as np
 import multienv
-from multienv import MultiEnv, module_server
-from multienv.procfs import process_table
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
+from multienv.wire.procfs import process_table
 from tests.conftest import wait_until_dead
 from tests.envs import CountingEnv
 

@@ -304,9 +304,9 @@ def test_multi_env_imports_no_transport():
     import ast
     import pathlib
 
-    import multienv.multi_env
+    import multienv.vector.multi_env
 
-    tree = ast.parse(pathlib.Path(multienv.multi_env.__file__).read_text())
+    tree = ast.parse(pathlib.Path(multienv.vector.multi_env.__file__).read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -314,7 +314,8 @@ def test_multi_env_imports_no_transport():
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module)
     forbidden = {"os", "select", "signal", "multiprocessing", "subprocess"}
-    forbidden |= {f"multienv.{name}" for name in ("subprocess_env", "worker", "shared_memory")}
+    forbidden |= {"multienv.backends.subprocess.subprocess_env", "multienv.worker.worker"}
+    forbidden |= {"multienv.wire.shared_memory"}
     assert not {name for name in imported if name.split(".")[0] in forbidden or name in forbidden}
 
 

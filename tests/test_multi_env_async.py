@@ -11,7 +11,7 @@ import pytest
 from gymnasium.vector import SyncVectorEnv
 
 from multienv import EnvStateError, MultiEnv, create_subprocess_envs
-from multienv.framing import DONE_OK, DONE_RECORD
+from multienv.wire.framing import DONE_OK, DONE_RECORD
 from tests.envs import CountingEnv, KilledAfterItsDoneRecord, SleepyEnv, TextObsEnv
 
 pytestmark = pytest.mark.timeout(60)

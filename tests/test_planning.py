@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from multienv import EnvError, EnvSnapshot, MultiEnv
-from multienv.protocol import PairResults, Pairs, pack_states
+from multienv.wire.protocol import PairResults, Pairs, pack_states
 from tests.conftest import Layout
 from tests.envs import (
     ActionTypeEnv,

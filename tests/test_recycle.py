@@ -18,8 +18,8 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from multienv import MultiEnv, RecyclePolicy
-from multienv.procfs import resident_mb
-from multienv.worker import OS_NAME_PREFIX
+from multienv.wire.procfs import resident_mb
+from multienv.worker.worker import OS_NAME_PREFIX
 from tests.conftest import Layout, descendant_workers, live_workers, wait_until_dead
 from tests.envs import CountingEnv, FixedLengthEnv, LeakyEnv, NoisyFixedLengthEnv
 

@@ -9,9 +9,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from multienv.done_pipes import DoneNotifier
-from multienv.framing import DONE_OK, DONE_RECORD, DONE_REPLY, IS_RESET, IS_SLOT_1
-from multienv.shared_memory import BatchLayout, SharedBatch, SlotWriter
+from multienv.wire.done_pipes import DoneNotifier
+from multienv.wire.framing import DONE_OK, DONE_RECORD, DONE_REPLY, IS_RESET, IS_SLOT_1
+from multienv.wire.shared_memory import BatchLayout, SharedBatch, SlotWriter
 from tests.envs import FrameDictObsEnv, FrameObsEnv
 
 _OBS = gym.spaces.Dict(

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from multienv import MultiEnv, SubprocessEnv
-from multienv.space_bounds import dumps_compact
+from multienv.wire.space_bounds import dumps_compact
 from tests.conftest import live_workers
 from tests.envs import FrameEnv
 

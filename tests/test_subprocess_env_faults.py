@@ -418,7 +418,8 @@ def test_served_workers_exit_within_2_s_when_parent_is_sigkilled_while_its_fork_
     child = run_script(
         """
         import os, time
-        from multienv import MultiEnv, module_server
+        from multienv import MultiEnv
+        from multienv.backends.subprocess.forking import module_server
         from tests.envs import CountingEnv
         if __name__ == "__main__":
             n = len(os.sched_getaffinity(0)) + 1  # more workers than cores: a module server

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from multienv import EnvCrashedError, EnvCrashLoopError, EnvError, RecyclePolicy, RestartPolicy
-from multienv.handles import Backend, Death
-from multienv.lifecycle import EnvState
-from multienv.protocol import (
+from multienv.supervision.handles import Backend, Death
+from multienv.supervision.lifecycle import EnvState
+from multienv.supervision.supervisor import WorkerSupervisor
+from multienv.wire.protocol import (
     Batch,
     BatchResult,
     Command,
@@ -23,7 +24,6 @@ from multienv.protocol import (
     Reply,
     Request,
 )
-from multienv.supervisor import WorkerSupervisor
 
 _SPACE = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
 _DESCRIPTION = EnvDescription(_SPACE, gym.spaces.Discrete(2), {}, None, None, "toy.Env")

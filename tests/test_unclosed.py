@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from multienv.procfs import process_table
+from multienv.wire.procfs import process_table
 from tests.unclosed_script import STATES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from gymnasium.error import ResetNeeded
 
 from multienv import MultiEnv
 from multienv.errors import EnvStateError
-from multienv.worker_tracebacks import DYNAMIC_CODE, restore_script_names
+from multienv.worker.worker_tracebacks import DYNAMIC_CODE, restore_script_names
 from tests.envs import CountingEnv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -114,8 +114,8 @@ def test_a_constructor_error_reads_like_the_users_own_code(tmp_path):
     assert 'raise ValueError("bad config: pole length must be positive")' in text  # source
     assert f'File "{script}", line 11, in <module>' in text
     assert DYNAMIC_CODE not in text
-    assert "multienv/factory.py" not in text
-    assert "multienv/lifecycle.py" not in text
+    assert "multienv/supervision/factory.py" not in text
+    assert "multienv/supervision/lifecycle.py" not in text
     assert "frame(s) of multienv's worker left out" in text
     last = text.splitlines()[-1]
     assert last.startswith("multienv.errors.EnvError[ValueError]: env 0: env_fn raised ValueError")

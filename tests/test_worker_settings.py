@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from multienv import MultiEnv, SubprocessEnv
-from multienv.worker import MALLOC_VARIABLES
-from multienv.worker_settings import SPIN_S, THREAD_VARIABLES, WorkerSettings, parent_spins
+from multienv.wire.worker_settings import SPIN_S, THREAD_VARIABLES, WorkerSettings, parent_spins
+from multienv.worker.worker import MALLOC_VARIABLES
 from tests.conftest import live_workers
 from tests.envs import BigFrameEnv, CountingEnv, ThreadProbe
 
@@ -199,7 +199,7 @@ def test_the_users_own_malloc_variables_leave_glibcs_thresholds_alone(name):
     env = {k: v for k, v in os.environ.items() if k not in MALLOC_VARIABLES}
     if name:
         env[name] = "131072"
-    code = "from multienv.worker import keep_freed_heap; print(keep_freed_heap())"
+    code = "from multienv.worker.worker import keep_freed_heap; print(keep_freed_heap())"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )

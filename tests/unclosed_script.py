@@ -27,7 +27,7 @@ import gymnasium as gym
 import numpy as np
 
 from multienv import MultiEnv, SubprocessEnv
-from multienv.procfs import process_table
+from multienv.wire.procfs import process_table
 from tests.envs import CountingEnv, HangOnStep, SlowReset
 
 

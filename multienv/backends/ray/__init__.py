@@ -1,0 +1,4 @@
+"""The Ray backend.
+
+Envs in Ray actors, k per actor, under the same failure table.
+"""

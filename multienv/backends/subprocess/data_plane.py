@@ -1,0 +1,402 @@
+"""PARENT SIDE, subprocess backend: the data plane, a vector's healthy step in one pass.
+
+A step of every env of a vector whose workers are as the last check left them (ready, idle,
+nothing lost, not recycling) reads top to bottom, like ``scripts/bare_probe.py``::
+
+    actions, item flags, seqs  -> shared memory, one numpy write each
+    W - 1 tokens               -> the token pipe, one write (``done_pipes``)
+    one wake-up per worker     -> the constant PLANNED_STEP byte on its pipe (``framing``)
+    one poll                   <- the done pipe, every worker's death sentinel, the deadline
+    status, rewards, flags, observations, infos, counts: read and kept as arrays
+
+Nothing in it loops over workers but the wake-up. Everything the failure table promises is
+detected here and handled elsewhere: a death is a sentinel in the poll, a hang past its
+deadline the poll's timeout, an env error, an info with a new key or anything else a worker
+answers with a message leaves its status short of the step's seq. The step is then handed
+over, in flight, to the control plane: each worker's supervisor takes its part
+(``WorkerSupervisor.take_planned``), and the vector collects it as any planned step
+(``MultiEnv._collect_planned``), which may take as long as it needs.
+
+What the step takes for granted is checked again (``_check``, once over the workers) only
+after something changed a worker: a call, a general batch, a death, a recycle, close
+(``WorkerSupervisor.changes``, one counter shared by the vector's workers).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import select
+import time
+from typing import Any
+
+import numpy as np
+from gymnasium.vector import AutoresetMode
+
+from multienv.backends.subprocess.process_handle import ProcessHandle
+from multienv.supervision.handles import StepBatch, VectorParts
+from multienv.wire.framing import (
+    IS_AUTORESET,
+    IS_INFO_COLUMNS,
+    IS_NEXT_STEP,
+    IS_SLOT_1,
+    PLANNED_FRAMES,
+    poll_hot,
+)
+from multienv.wire.protocol import StepPlan
+from multienv.wire.shared_memory import SharedBatch
+
+_ALL = slice(None)
+_RECORDS_BYTES = 65536  # more than any group's records of one step
+_HELD_STEPS = 256  # steps whose counts are held back before they are written
+
+
+class DataPlane:
+    """The healthy step of a vector of subprocess workers, each a run of its envs in order.
+
+    Args:
+        shared: The vector's shared batch.
+        vector: The vector's workers (by worker index, all in the shared batch's one group,
+            each a run of its envs) and the state the data plane keeps for it: its
+            ``needs_reset``, steps and episodes lazily.
+
+    Raises:
+        ValueError: The workers are not in one group (the vector collects them on several
+            threads); the vector then steps without a data plane.
+    """
+
+    def __init__(self, shared: SharedBatch, vector: VectorParts) -> None:
+        """Share one change counter among the workers; nothing is checked or sent yet."""
+        supervisors, env_slices = vector.supervisors, vector.env_slices
+        autoreset, counters = vector.autoreset, vector.counters
+        self._done_read, self._quiet_read, self._tokens_write, _ = shared.done.pipes()
+        num_workers, num_envs = len(supervisors), shared.num_envs
+        self._shared = shared
+        self._supervisors = list(supervisors)
+        self._env_slices = list(env_slices)
+        self._autoreset = autoreset
+        self._needs_reset = autoreset.needs_reset_array
+        autoreset.pending = self._sync_resets
+        self._is_same_step = autoreset.is_same_step
+        self._is_disabled = autoreset.mode is AutoresetMode.DISABLED
+        self._is_next_step = autoreset.mode is AutoresetMode.NEXT_STEP
+        self._counters = counters
+        counters.pending = self._flush_counts
+        self._latencies = counters.latencies
+        self._copy = vector.copy
+        self._add_info = vector.add_info
+        self._changes = [0]
+        for supervisor in supervisors:
+            supervisor.changes = self._changes
+        self._checked = -1  # the change count when the workers were last checked
+        self._tokens = bytes(num_workers - 1)  # none for a lone worker: it wakes the parent
+        self._frame = PLANNED_FRAMES[num_workers > 1]
+        self._records_bytes = 4 * num_workers + 64  # more than a step's records
+        assert shared.actions is not None
+        self._actions = shared.actions
+        self._action_shape, self._action_dtype = shared.actions.shape, shared.actions.dtype
+        # Bytes stored through memoryviews: a tenth of what a numpy ufunc costs.
+        self._seqs = shared.done.seqs[:num_workers].data
+        self._status = shared.status[:num_workers]
+        self._seq = 0  # every worker's seq in the step in flight
+        self._seq_bytes = [bytes([seq]) * num_workers for seq in range(256)]
+        # The same item flags on every step, by the slot its observations go to: under
+        # next-step autoreset a worker resets an env whose last result ended (``autoreset``).
+        self._plan_flags = shared.plan_flags.data
+        common = IS_INFO_COLUMNS | (
+            IS_AUTORESET if self._is_same_step else IS_NEXT_STEP if self._is_next_step else 0
+        )
+        self._flags_to = (bytes([common]) * num_envs, bytes([common | IS_SLOT_1]) * num_envs)
+        self._rewards = shared.rewards
+        self._flags = shared.flags  # (2, num_envs): terminated, truncated
+        self._obs_slots = shared.obs_slots  # (2, num_envs, ...) when not nested, else None
+        self._starts = np.array([part.start for part in env_slices], dtype=np.intp)
+        self._sizes = np.array([part.stop - part.start for part in env_slices], dtype=np.int64)
+        # The counts held back since the last flush (``_flush_counts``): each step's flags,
+        # a row each, and the resets due when the first of them was sent.
+        self._held = np.zeros((_HELD_STEPS, 2, num_envs), dtype=np.bool_)
+        self._held_bytes = self._held.view(np.uint8).reshape(-1).data
+        self._steps_held = 0
+        self._resets_held = np.zeros(num_envs, dtype=np.bool_)
+        self._no_end = bytes(2 * num_envs)
+        self._last_flags = self._no_end  # the last step's flags: its ends reset next
+        self._is_resets_stale = False  # needs_reset is not brought up to _last_flags yet
+        # Set by _check.
+        self._wake_fds: list[int] = []
+        self._poll: Any = None
+        self._spin_s = 0.0
+        self._timeouts: np.ndarray | None = None  # per worker: step, reset timeout (s; inf)
+        self._is_unthanked = False  # a step since the check has not told the restart ledgers
+        # The step in flight: what it was sent with.
+        self._actions_sent: np.ndarray | None = None
+        self._records_read = b""  # its DONE records, once read
+        self._target = 0
+        self._sent_at = 0.0
+        self._deadline: float | None = None
+
+    def send(self, actions: Any) -> bool:
+        """Send a step of every env; False, sending nothing, if this step is not a healthy one.
+
+        The caller then steps by the general path, which checks what is not as usual and
+        says what is wrong with the actions, naming the env.
+        """
+        if self._changes[0] != self._checked and not self._check():
+            return False
+        slot = self._shared.same_slot
+        if (
+            slot is None
+            or self._actions_sent is not None
+            or type(actions) is not np.ndarray
+            or actions.shape != self._action_shape
+            or actions.dtype != self._action_dtype
+            or (self._is_disabled and self._last_flags != self._no_end)
+        ):
+            return False  # (disabled autoreset: the general path says which env ended)
+        target = 1 - slot
+        self._actions[:] = actions  # a reset's action is not read
+        self._plan_flags[:] = self._flags_to[target]
+        seq = self._seq = self._seq % 255 + 1  # _check chose it apart from each worker's last
+        self._seqs[:] = self._seq_bytes[seq]
+        self._actions_sent, self._target, self._records_read = actions, target, b""
+        self._sent_at = time.perf_counter()
+        frame, woken = self._frame, 0
+        try:
+            if self._timeouts is not None:
+                self._deadline = self._deadline_after(self._sent_at)
+            if self._tokens:
+                os.write(self._tokens_write, self._tokens)
+            for fd in self._wake_fds:
+                try:
+                    os.write(fd, frame)
+                except OSError:
+                    pass  # a dead worker: its sentinel ends the wait
+                woken += 1
+        except BaseException:
+            # Ctrl-C before or among the wake-ups: wake the rest (a worker runs a seq once,
+            # however often it is woken for it) and let the control plane own the step; it
+            # drains the round's tokens, if they went out, before the next one.
+            for fd in self._wake_fds[woken:]:
+                try:
+                    os.write(fd, frame)
+                except OSError:
+                    pass
+            self.interrupt()
+            raise
+        return True
+
+    def receive(self, timeout: float | None = None) -> StepBatch | StepPlan | None:
+        """Wait for the step ``send`` sent: its batch, or the plan handed over to the vector.
+
+        Args:
+            timeout: Seconds to wait; None waits until the step is done or a worker's
+                deadline passes. On expiry, None: the step stays in flight.
+
+        Returns:
+            The step's batch; or, when anything is not as usual, the ``StepPlan`` in flight,
+            every worker's part taken by its supervisor, for the vector to collect.
+        """
+        if self._spin_s or self._deadline is not None or timeout is not None:
+            events = self._wait(timeout)
+        else:
+            events = self._poll()
+        if len(events) != 1 or events[0][0] != self._done_read:
+            if not events and not self._is_late():
+                return None  # the caller's timeout, not a worker's deadline
+            return self._hand_over(b"")
+        records = self._records_read = os.read(self._done_read, self._records_bytes)
+        if self._tokens:
+            try:  # the round's other workers
+                records = self._records_read = records + os.read(
+                    self._quiet_read, self._records_bytes
+                )
+            except BlockingIOError:
+                return self._hand_over(records)
+        if self._status.tobytes() != self._seq_bytes[self._seq]:
+            return self._hand_over(records)  # a worker answered with a message too
+        # Every worker is done and idle: from here on an exception loses this step's
+        # results to the caller, and nothing else (the workers answered in full).
+        self._actions_sent = None
+        self._shared.move_all_to(self._target)
+        rewards = self._rewards.copy()
+        flags = self._flags.copy()
+        flag_bytes = self._last_flags = flags.tobytes()
+        self._is_resets_stale = True  # needs_reset follows when it is read (_sync_resets)
+        row, size = self._steps_held, len(flag_bytes)
+        self._held_bytes[row * size : (row + 1) * size] = flag_bytes
+        self._steps_held = row + 1
+        if row + 1 == _HELD_STEPS:
+            self._flush_counts()
+        infos = self._shared.infos.merge({}, _ALL, self._add_info)
+        if self._obs_slots is None:
+            observations = self._shared.observations(None, copy=self._copy)
+        elif self._copy:
+            observations = self._obs_slots[self._target].copy()
+        else:
+            observations = self._obs_slots[self._target]
+        latencies = self._latencies
+        latencies.values[latencies.count % latencies.size] = time.perf_counter() - self._sent_at
+        latencies.count += 1
+        if self._is_unthanked:
+            self._is_unthanked = False
+            for supervisor in self._supervisors:
+                supervisor.note_success()
+        return observations, rewards, flags[0], flags[1], infos
+
+    def is_in_flight(self) -> bool:
+        """Whether a step was sent and not yet received."""
+        return self._actions_sent is not None
+
+    def interrupt(self) -> None:
+        """An exception stopped the step in flight: the control plane owns it from now on.
+
+        The workers' supervisors take their parts, so the vector's next call collects
+        (and drops) what the workers answer before it sends anything.
+        """
+        if self._actions_sent is not None:
+            self._hand_over(self._records_read)
+
+    # ----------------------------------------------------------------- off the healthy step
+
+    def _check(self) -> bool:
+        """Check every worker can take a planned step as sent here; cache their fds."""
+        if not self._autoreset.is_started:  # the general path says which env needs a reset
+            return False
+        self._flush_counts()
+        wake_fds, sentinels, spins = [], [], set()
+        for supervisor in self._supervisors:
+            handle = supervisor.handle
+            if not isinstance(handle, ProcessHandle):
+                return False
+            fds = handle.plane_fds()
+            if fds is None or supervisor.is_recycling or not supervisor.can_take_planned():
+                return False
+            wake_fds.append(fds[0])
+            sentinels.append(fds[1])
+            spins.add(handle.spin_s)
+        # One seq for every worker from now on: one that none of them has just used.
+        used = set(self._seqs.tolist())
+        free = [seq for seq in range(1, 256) if seq % 255 + 1 not in used]
+        if not free:  # 255 workers or more: the general path numbers each its own
+            return False
+        self._seq = free[0]
+        poller = select.poll()
+        for fd in (self._done_read, *sentinels):
+            poller.register(fd, select.POLLIN)
+        self._wake_fds, self._poll, self._spin_s = wake_fds, poller.poll, max(spins)
+        timeouts = [supervisor.timeouts for supervisor in self._supervisors]
+        self._timeouts = None
+        self._deadline = None
+        if any(pair != (None, None) for pair in timeouts):
+            self._timeouts = np.array(
+                [[math.inf if t is None else t for t in pair] for pair in timeouts]
+            )
+        done = self._shared.done
+        done.drain_tokens()  # whatever rounds of the general path left
+        done.drain(self._done_read)
+        done.forget_records()  # of batches collected already
+        # The ends the workers read (``resolve_next_step``) become the vector's, which a
+        # crash's truncation or a reset by the caller may have changed.
+        needs_reset = self._autoreset.needs_reset
+        self._flags[0] = needs_reset
+        self._flags[1] = False
+        self._last_flags = self._flags.tobytes()
+        self._resets_held[:] = needs_reset
+        self._is_unthanked = True
+        self._checked = self._changes[0]
+        return True
+
+    def _sync_resets(self) -> None:
+        """Bring the vector's ``needs_reset`` up to the last step (``Autoreset.pending``)."""
+        if self._is_resets_stale:
+            self._is_resets_stale = False
+            if not self._is_same_step:
+                np.logical_or.reduce(self._last_ends(), axis=0, out=self._needs_reset)
+
+    def _last_ends(self) -> np.ndarray:
+        """The last step's terminated and truncated flags, ``(2, num_envs)``."""
+        return np.frombuffer(self._last_flags, dtype=np.bool_).reshape(2, -1)
+
+    def _flush_counts(self) -> None:
+        """Write the steps and episodes held back since the last flush into the counters.
+
+        An env steps in every step but those in which it resets: under next-step autoreset,
+        those that follow a step that ended its episode. So the steps of the window are its
+        length, less the ends of its steps but the last, plus the resets due at its start.
+        """
+        held = self._steps_held
+        if not held:
+            return
+        ended = np.asarray(self._held[:held].any(axis=1))  # (held, num_envs)
+        ends = ended.sum(axis=0, dtype=np.int64)
+        counters = self._counters
+        counters.episodes += ends
+        if self._is_next_step:
+            counters.steps += held - ends + ended[-1] - self._resets_held
+            self._resets_held[:] = ended[-1]
+        else:  # no step of theirs resets an env
+            counters.steps += held
+        self._steps_held = 0
+
+    def _deadline_after(self, sent_at: float) -> float | None:
+        """When the first worker is late: each gets its envs' step and reset timeouts."""
+        assert self._timeouts is not None
+        if self._is_next_step and self._last_flags != self._no_end:
+            ends = self._last_ends().any(axis=0)
+            resets = np.add.reduceat(ends, self._starts, dtype=np.int64)
+        else:
+            resets = np.zeros(len(self._starts), dtype=np.int64)
+        steps = self._sizes - resets
+        with np.errstate(invalid="ignore"):  # inf * 0: no such item, no time for it
+            budgets = np.where(steps > 0, steps * self._timeouts[:, 0], 0.0) + np.where(
+                resets > 0, resets * self._timeouts[:, 1], 0.0
+            )
+        earliest = float(budgets.min())
+        return None if math.isinf(earliest) else sent_at + earliest
+
+    def _wait(self, timeout: float | None) -> list[tuple[int, int]]:
+        """Poll the done pipe and the sentinels until one fires, the deadline or ``timeout``."""
+        if self._spin_s:
+            events: list[tuple[int, int]] = poll_hot(self._poll, self._spin_s)
+            if events:
+                return events
+        wake_at = self._deadline
+        if timeout is not None:
+            until = time.monotonic() + timeout
+            wake_at = until if wake_at is None else min(wake_at, until)
+        if wake_at is None:
+            events = self._poll()
+        else:
+            events = self._poll(max(0, math.ceil((wake_at - time.monotonic()) * 1000)))
+        return events
+
+    def _is_late(self) -> bool:
+        deadline = self._deadline
+        return deadline is not None and time.monotonic() >= deadline
+
+    def _hand_over(self, records: bytes) -> StepPlan:
+        """Give the step in flight to the control plane: each supervisor takes its part."""
+        actions = self._actions_sent
+        assert actions is not None
+        self._actions_sent = None
+        if self._is_next_step:  # the envs the last step ended reset in this one
+            is_reset = np.asarray(self._last_ends().any(axis=0))
+        else:
+            is_reset = np.zeros(len(self._needs_reset), dtype=np.bool_)
+        shared = self._shared
+        plan = StepPlan(
+            actions,
+            is_reset,
+            self._is_same_step,
+            shared.whole_slots(self._target),
+            int(np.count_nonzero(is_reset)),
+            is_counted=bool(self._tokens),
+        )
+        shared.done.open_round(is_written=True)
+        shared.done.forget_records()  # only this step's count from here on
+        for supervisor, env_slice in zip(self._supervisors, self._env_slices, strict=True):
+            deadline = supervisor.take_planned(plan, env_slice, self._sent_at)
+            handle = supervisor.handle
+            assert isinstance(handle, ProcessHandle)
+            handle.take_planned(plan, env_slice, deadline)
+        shared.done.note_records(records)
+        return plan

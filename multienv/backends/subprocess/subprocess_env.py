@@ -1,0 +1,382 @@
+"""PARENT SIDE, subprocess backend: its public face, SubprocessEnv and create_subprocess_envs.
+
+A ``SubprocessEnv`` is a ``RemoteEnv`` (``multienv.supervision.env_proxy``) on one ``ProcessHandle``
+(``process_handle``) under a ``WorkerSupervisor`` (``supervisor``), whose
+docstring holds the failure table. ``BACKEND`` registers this backend as ``"subprocess"``
+(the ``multienv.backends`` entry point in setup.cfg).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from multiprocessing.context import BaseContext
+from typing import Any
+
+import gymnasium as gym
+
+from multienv.backends.subprocess.cpu_claims import Pin, plan_pins
+from multienv.backends.subprocess.forking import module_server
+from multienv.backends.subprocess.forking.forkserver import (
+    forkserver_context,
+    forkserver_thread_env,
+)
+from multienv.backends.subprocess.forking.module_server_process import MAX_SPARES
+from multienv.backends.subprocess.process_handle import ProcessHandle
+from multienv.backends.subprocess.process_launch import WorkerRecipe
+from multienv.backends.subprocess.shm_link import open_subprocess_link
+from multienv.errors import raised_here
+from multienv.recycle import RecyclePolicy
+from multienv.restart import RestartPolicy
+from multienv.supervision.env_proxy import RemoteEnv
+from multienv.supervision.factory import create_envs, supervise
+from multienv.supervision.handles import Backend, keyword_options
+from multienv.supervision.lifecycle import EnvState
+from multienv.supervision.supervisor import WorkerSupervisor
+from multienv.wire.worker_settings import SPIN_S, WorkerSettings, check_spinners, parent_spins
+
+EnvFn = Callable[[], gym.Env[Any, Any]]
+
+
+def resolve_context(
+    context: BaseContext | str | None,
+    preload: Sequence[str] = (),
+    thread_env: Mapping[str, str] | None = None,
+) -> BaseContext:
+    """Return the multiprocessing context to start workers with.
+
+    Args:
+        context: A context, a start-method name, or None for the default: ``forkserver`` on
+            Linux, where daemon workers fork from the module server (which imports numpy,
+            gymnasium and the user's script once, so a respawn is a cheap fork; see
+            ``module_server``), started here, and others from multiprocessing's
+            forkserver; ``spawn`` elsewhere. ``fork`` is available on request; forking a
+            parent whose threads hold locks can deadlock the child.
+        preload: More modules for the fork sources to import; other start methods ignore it.
+        thread_env: Thread-count variables for the fork sources to start with (see
+            ``forkserver_context``); other start methods ignore it.
+    """
+    if isinstance(context, BaseContext):
+        return context
+    name = context or ("forkserver" if sys.platform.startswith("linux") else "spawn")
+    if name == "forkserver":
+        resolved = forkserver_context(preload, thread_env)
+        module_server.start()
+        return resolved
+    return multiprocessing.get_context(name)
+
+
+def start_forkserver(
+    preload: Sequence[str] = (), *, blas_threads: int | None = 1, spares: int = MAX_SPARES
+) -> None:
+    """Start the process workers fork from now, so that the first vector does not wait for it.
+
+    Workers fork from a server process (``module_server``) that imports numpy,
+    gymnasium, multienv's worker and your script once. It otherwise starts with the first
+    vector; call this at the top of a training script (under ``if __name__ == "__main__":``)
+    and its imports run while your script sets up. Idempotent; nothing happens at
+    ``import multienv``. On a platform without forkserver (not Linux) it does nothing.
+
+    Once a vector has started, the server also keeps spares: workers forked ahead of the
+    next vector's, as many as the most workers one vector has had (``spares`` at most), so
+    that later vectors, respawns and recycles do not wait for forks. It forks them after
+    0.2 s without a request. Each spare holds 1 to 1.5 MiB of private memory while it
+    waits (0.8 MiB on CPython 3.12), and no CPU. Spares stay after your vectors close
+    (``ps`` shows them as ``multienv-spare``, beside ``multienv-server``), until this
+    process exits: they exit with it, within 2 s even after a SIGKILL.
+
+    Example:
+        >>> import multienv
+        >>> multienv.start_forkserver(preload=["gymnasium.envs.classic_control"])
+
+    Args:
+        preload: More modules for the server to import (an env's package, such as
+            ``"ale_py"``), shared by every worker instead of imported by each.
+        blas_threads: The thread count the server's BLAS/OpenMP pools are born with, as the
+            vectors' ``blas_threads`` option; pass the value your vectors use.
+        spares: The most spares the server keeps; 0 keeps none (and the memory they hold).
+
+    Raises:
+        ModuleNotFoundError: A module of ``preload`` is not installed.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    names = _checked_preload(preload, "start_forkserver()")
+    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+        raise ValueError(f"start_forkserver(): spares must be an int >= 0, got {spares!r}")
+    settings = WorkerSettings.decide(blas_threads, None, 0)
+    module_server.allow_spares(spares)
+    resolve_context("forkserver", names, settings.thread_env)
+
+
+def _checked_preload(preload: Sequence[str], owner: str) -> tuple[str, ...]:
+    """Return the module names of ``preload``; raise, naming the env, if one is not installed."""
+    is_collection = isinstance(preload, Iterable) and not isinstance(preload, str | bytes)
+    names = tuple(preload) if is_collection else ()
+    if not is_collection or not all(isinstance(name, str) for name in names):
+        raise TypeError(
+            f"{owner}: preload must be a list of module names, such as "
+            f"['gymnasium.envs.classic_control'], got {preload!r}"
+        )
+    for name in names:
+        top_level = name.partition(".")[0]
+        if not top_level or importlib.util.find_spec(top_level) is None:
+            raise ModuleNotFoundError(
+                f"{owner}: preload names {name!r}, but no module {top_level!r} is installed"
+            )
+    return names
+
+
+class SubprocessEnv(RemoteEnv):
+    """A ``gymnasium.Env`` proxy whose env runs in a daemon worker process.
+
+    Call ``start()`` (returns at once) then ``initialize()`` (waits for the env), or use
+    ``create_subprocess_envs()``. What happens when the worker dies, hangs or raises is the
+    failure table in ``multienv.supervision.supervisor``.
+
+    Args:
+        env_fn: Zero-argument callable returning a new gymnasium.Env (sent with cloudpickle).
+        context: Multiprocessing context or start-method name; see ``resolve_context``.
+        restart_policy: How many respawns are allowed, and how fast.
+        step_timeout: Seconds a ``step`` may take before the worker is killed; None waits
+            forever. A worker stepping k envs at once gets k times as long.
+        reset_timeout: Seconds a ``reset`` may take before the worker is killed; None waits
+            forever, and then a batch with a reset in it has no deadline at all (set both
+            timeouts for a worker of several envs).
+        init_timeout: Seconds a worker may take to build its envs before it is killed.
+        restart_on_error: Treat an exception raised by env code as a death.
+        recycle: When to replace a worker by a fresh one at an episode boundary (budgets
+            of steps, episodes, memory), and when to kill it for its memory; see
+            ``RecyclePolicy``. None (default) never recycles.
+        close_timeout_s: Seconds ``close()`` waits for the worker to exit before killing it.
+        env_index: Position of this env in its vector; used in messages and process names.
+        preload: Names of modules for the module server to import before it forks workers,
+            such as the env's package (``"ale_py"``), so that every worker shares their
+            memory and a respawn does not import them again. Without it, the modules the
+            first worker's envs import are shared by the workers started after it (see
+            ``module_server``). The server starts once per process, so pass it to
+            the first env a process starts; later ones log a warning. Other start methods
+            ignore it.
+        daemon: Start the worker as a daemon process (default). ``False`` lets env code
+            start processes of its own; the worker still exits when this process dies.
+        blas_threads: Threads per BLAS/OpenMP pool in the worker (``OMP_NUM_THREADS``,
+            ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, and the pools already loaded),
+            so that N workers do not start N full pools on the same cores. A variable set in
+            this process's environment wins; None leaves the worker's pools as they are.
+        pin_cpu: Pin the worker to one CPU, a free one first: a CPU is claimed for as long
+            as its worker lives, machine-wide, so that other runs and vectors pin elsewhere
+            (``cpu_claims``); beyond the free CPUs, round robin. None (default): a
+            vector pins its workers only if each gets a free CPU of those this process may
+            use, and else pins none (``create_subprocess_envs`` and ``MultiEnv`` decide); a
+            lone ``SubprocessEnv`` is not pinned. See docs/performance.rst.
+        wait: "sleep" (default): the worker sleeps until its next request. "spin": hot
+            mode: after each answer it polls for the next request for 2 ms before it
+            sleeps, so its core stays awake, and each worker keeps a core busy. Refused
+            when the workers would outnumber the cores. When a vector's workers leave a
+            core to spare, the parent polls for the workers' answers the same way, keeping
+            that core busy too; see docs/performance.rst.
+    """
+
+    def __init__(
+        self,
+        env_fn: EnvFn,
+        *,
+        context: BaseContext | str | None = None,
+        restart_policy: RestartPolicy | None = None,
+        step_timeout: float | None = None,
+        reset_timeout: float | None = None,
+        init_timeout: float | None = 60.0,
+        restart_on_error: bool = False,
+        recycle: RecyclePolicy | None = None,
+        close_timeout_s: float = 5.0,
+        env_index: int = 0,
+        preload: Sequence[str] = (),
+        daemon: bool = True,
+        blas_threads: int | None = 1,
+        pin_cpu: bool | None = None,
+        wait: str = "sleep",
+    ) -> None:
+        """Check the options and pickle ``env_fn``; no process is started yet."""
+        supervisor = _supervise(
+            [env_fn],
+            env_index,
+            context=context,
+            restart_policy=restart_policy,
+            step_timeout=step_timeout,
+            reset_timeout=reset_timeout,
+            init_timeout=init_timeout,
+            restart_on_error=restart_on_error,
+            recycle=recycle,
+            close_timeout_s=close_timeout_s,
+            preload=preload,
+            daemon=daemon,
+            blas_threads=blas_threads,
+            pin_cpu=pin_cpu,
+            wait=wait,
+        )
+        super().__init__(supervisor, 0)
+
+
+def _supervise(
+    env_fns: Sequence[EnvFn],
+    first_env_index: int,
+    *,
+    context: BaseContext | str | None = None,
+    preload: Sequence[str] = (),
+    daemon: bool = True,
+    blas_threads: int | None = 1,
+    pin_cpu: bool | None = None,
+    wait: str = "sleep",
+    is_probe: bool = False,
+    parent_spin: bool = False,
+    pin: Pin | None = None,
+    **supervisor_options: Any,
+) -> WorkerSupervisor:
+    """Check the options, pickle the factories and build one worker's handle and supervisor.
+
+    ``supervisor_options`` are ``WorkerSupervisor``'s (timeouts, policies), as
+    ``SubprocessEnv`` documents them. ``parent_spin``: the handle polls for ``SPIN_S``
+    before it sleeps on the worker (a hot vector's choice, ``parent_spins``). ``pin``: the
+    worker's CPU, as its vector planned it; a lone worker with ``pin_cpu=True`` claims one.
+    """
+    preload_names = _checked_preload(preload, f"env {first_env_index}")
+    settings = WorkerSettings.decide(blas_threads, None, first_env_index, wait=wait)
+    if pin is None and pin_cpu:
+        pin = plan_pins(True, 1)[0]
+    if pin is not None:
+        settings = dataclasses.replace(settings, cpu=pin.cpu)
+    cpu_claim = None if pin is None else pin.claim
+
+    def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
+        # After the options are checked and the factories pickled: may start the server.
+        resolved = resolve_context(context, preload_names, settings.thread_env)
+        # Pools born the right size in the forkserver need no resizing in its workers.
+        is_forkserver = resolved.get_start_method() == "forkserver"
+        born_with = (forkserver_thread_env() or {}) if is_forkserver else {}
+        worker_settings = settings.for_fork_from(born_with, os.environ)
+        recipe = WorkerRecipe(
+            resolved, env_fn_bytes, first_env_index, daemon, worker_settings, is_probe
+        )
+        return ProcessHandle(recipe, spin_s=SPIN_S if parent_spin else 0.0, cpu_claim=cpu_claim)
+
+    return supervise(env_fns, first_env_index, make_handle, BACKEND, **supervisor_options)
+
+
+@raised_here
+def create_subprocess_envs(
+    env_fns: Sequence[EnvFn], *, envs_per_worker: int = 1, **options: Any
+) -> list[SubprocessEnv]:
+    """Start the workers, then initialize them all in parallel; return one proxy per env.
+
+    Args:
+        env_fns: Zero-argument callables returning a new gymnasium.Env (sent with cloudpickle).
+        envs_per_worker: How many envs each worker process hosts: env i lives in worker
+            ``i // envs_per_worker``. 1 (default) gives each env its own process; more steps
+            cheap envs faster, and one worker's death truncates each of its envs.
+        **options: Keyword options of ``SubprocessEnv``, applied to every env.
+
+    With more workers than cores (forkserver, daemon workers), env 0's factory runs once
+    more, first, in a probe worker that reports the modules it imports and exits, so that
+    every worker forks from a server that has imported them (``module_server``),
+    as ``AsyncVectorEnv`` builds a dummy env in its parent.
+
+    Raises:
+        TypeError: An env_fn cannot be pickled; nothing was started.
+        EnvError: An env_fn raised in its worker; all proxies are closed first.
+        EnvCrashLoopError: A worker kept failing to start; all proxies are closed first.
+    """
+    if "env_index" in options:
+        raise TypeError("create_subprocess_envs() numbers the envs itself; do not pass env_index")
+    probe = parent_spin = False
+    num_workers = 0
+    pins: list[Pin | None] = []
+    if (
+        not isinstance(envs_per_worker, bool)
+        and isinstance(envs_per_worker, int)
+        and envs_per_worker > 0
+    ):
+        num_workers = -(-len(env_fns) // envs_per_worker)
+        check_spinners(options.get("wait", "sleep"), num_workers)
+        parent_spin = parent_spins(options.get("wait", "sleep"), num_workers)
+        probe = bool(env_fns) and _should_probe(num_workers, options)
+        pin_cpu = options.pop("pin_cpu", None)
+        if not (pin_cpu is None or isinstance(pin_cpu, bool)):
+            raise TypeError(f"pin_cpu must be True, False or None, got {pin_cpu!r}")
+        # One free CPU each, claimed machine-wide (cpu_claims); after the checks above.
+        pins = plan_pins(pin_cpu, num_workers)
+
+    def supervise_worker(fns: Sequence[EnvFn], first: int) -> WorkerSupervisor:
+        pin = pins[first // envs_per_worker] if pins else None
+        return _supervise(fns, first, parent_spin=parent_spin, pin=pin, **options)
+
+    envs = create_envs(
+        env_fns,
+        envs_per_worker,
+        supervise_worker,
+        SubprocessEnv,
+        "create_subprocess_envs",
+        before_start=(lambda: _start_module_server(env_fns[0], options)) if probe else None,
+    )
+    if _is_served(options):  # the next vector's workers need not wait for forks
+        module_server.keep_spares(num_workers)
+    return envs
+
+
+def _start_module_server(env_fn: EnvFn, options: dict[str, Any]) -> None:
+    """Build env 0 alone in a probe worker, whose report starts the module server; close it.
+
+    Every worker of the vector then forks from the server: none imports the env's modules
+    into memory of its own. An env_fn that fails fails here, as it would in its worker.
+    """
+    supervisor = _supervise([env_fn], 0, is_probe=True, **{**options, "pin_cpu": False})
+    try:
+        supervisor.start()
+        supervisor.initialize()
+    finally:
+        supervisor.close(timeout=1.0)
+
+
+def _should_probe(num_workers: int, options: dict[str, Any]) -> bool:
+    """Whether a probe worker builds env 0 first, so that its modules reach every worker.
+
+    When the workers outnumber the cores, their imports would queue for the cores anyway;
+    importing them once in the module server (after the probe reports them) makes the
+    workers both share them and start sooner. With as many workers as cores or fewer, all
+    start at once, and the server imports them before it forks the next worker.
+    """
+    return (
+        _is_served(options)
+        and not module_server.has_tried()
+        and num_workers > len(os.sched_getaffinity(0))
+    )
+
+
+def _is_served(options: dict[str, Any]) -> bool:
+    """Whether workers with these options fork from the module server (when it serves)."""
+    context = options.get("context")
+    is_forkserver = context in (None, "forkserver") or (
+        isinstance(context, BaseContext) and context.get_start_method() == "forkserver"
+    )
+    return bool(is_forkserver and sys.platform.startswith("linux") and options.get("daemon", True))
+
+
+BACKEND = Backend(
+    "subprocess",
+    create_subprocess_envs,
+    open_subprocess_link,
+    frozenset(keyword_options(SubprocessEnv.__init__) - {"self", "env_fn", "env_index"}),
+)
+
+__all__ = [
+    "BACKEND",
+    "EnvFn",
+    "EnvState",
+    "SubprocessEnv",
+    "create_subprocess_envs",
+    "resolve_context",
+    "start_forkserver",
+]

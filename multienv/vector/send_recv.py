@@ -1,0 +1,168 @@
+"""VECTOR API: EnvPool-style ``send``/``recv``: which envs are in flight, and collecting them.
+
+``send`` steps some envs and returns at once; ``recv`` returns the first envs to finish.
+The envs of one worker travel together, so a worker is either idle or stepping one batch.
+``InFlight`` keeps, per worker, the envs it is stepping and, per env, the results collected
+but not yet returned. ``SendRecvApi`` holds the two methods (``MultiEnv`` inherits them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from gymnasium.error import ClosedEnvironmentError
+
+from multienv.errors import EnvStateError, WaitTimeoutError
+from multienv.vector import vector_checks
+from multienv.vector.assembly import Assembly, StepBatch
+from multienv.vector.fan_out import FanOut, finish, raise_first
+from multienv.wire.autoreset import Autoreset
+from multienv.wire.protocol import Batch
+
+
+class SendRecvApi:
+    """A vector env's ``send`` and ``recv``; ``MultiEnv`` inherits them."""
+
+    if TYPE_CHECKING:  # what they use of the vector
+        closed: bool
+        num_envs: int
+        _pending: Any
+        _in_flight: InFlight
+        _autoreset: Autoreset
+
+        def _split_actions(self, actions: Any, env_ids: list[int] | None) -> Any: ...
+
+    def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
+        """Send a step to some envs and return at once; ``recv()`` collects the first to finish.
+
+        EnvPool-style asynchronous stepping: keep some envs stepping while you learn from
+        the others, so a slow env does not hold back the batch. The envs of one worker
+        travel together: an env cannot be sent while its worker steps others.
+
+        Example:
+            >>> import gymnasium as gym, numpy as np
+            >>> from multienv import MultiEnv
+            >>> with MultiEnv([lambda: gym.make("CartPole-v1")] * 4) as envs:
+            ...     _ = envs.reset(seed=0)
+            ...     envs.send(np.zeros(4, dtype=np.int64))
+            ...     obs, rewards, terminations, truncations, infos = envs.recv(batch_size=2)
+            ...     envs.send(np.ones(2, dtype=np.int64), infos["env_id"])
+            ...     _ = envs.recv()  # the other two, then these two (all that are in flight)
+            ...     obs.shape, len(infos["env_id"])
+            ((2, 4), 2)
+
+        Args:
+            actions: One action per env of ``env_ids``, in that order.
+            env_ids: The envs to step (distinct, none already in flight); default all.
+        """
+        if self.closed:
+            raise ClosedEnvironmentError("MultiEnv.send() called after close().")
+        if self._pending is not None:
+            raise EnvStateError("MultiEnv.send() called while a step_async() is pending.")
+        ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, self._in_flight.env_ids())
+        batch_actions = self._split_actions(actions, ids)
+        self._autoreset.check_can_step(ids)
+        self._in_flight.send(ids, batch_actions)
+
+    def recv(
+        self, batch_size: int | None = None, timeout: float | None = None
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Collect the steps of the first ``batch_size`` envs to finish among those in flight.
+
+        Args:
+            batch_size: How many envs to return; default all that are in flight.
+            timeout: Seconds to wait; on expiry ``TimeoutError`` is raised and every step
+                stays in flight, so nothing is lost.
+
+        Returns:
+            ``(obs, rewards, terminations, truncations, infos)`` for ``batch_size`` envs in
+            ascending env order; ``infos["env_id"]`` holds their indices.
+        """
+        if self.closed:
+            raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
+        return self._in_flight.recv(batch_size, timeout)
+
+
+class InFlight:
+    """The envs a vector's ``send()`` stepped and ``recv()`` has not returned yet.
+
+    Args:
+        fan_out: The vector's workers and their multi-wait.
+        assembly: Files collected results and assembles the returned batch.
+        autoreset: The vector's autoreset state.
+    """
+
+    def __init__(self, fan_out: FanOut, assembly: Assembly, autoreset: Autoreset) -> None:
+        """Nothing in flight."""
+        self._fan_out = fan_out
+        self._assembly = assembly
+        self._autoreset = autoreset
+        self._worker_of = {e: n for n, group in enumerate(fan_out.groups) for e in group.env_ids}
+        self._flying: dict[int, list[int]] = {}  # by worker number: the envs it steps
+        self._received: dict[int, tuple[Any, ...]] = {}  # by env: collected, not returned
+
+    def is_busy(self) -> bool:
+        """Whether any env is in flight, or collected and not yet returned."""
+        return bool(self._flying or self._received)
+
+    def env_ids(self) -> list[int]:
+        """Every env in flight or collected and not yet returned, ascending."""
+        return sorted([*self._received, *(i for ids in self._flying.values() for i in ids)])
+
+    def send(self, ids: list[int], actions: Any) -> None:
+        """Submit each worker's share of ``ids`` (checked, none in flight) as one batch."""
+        by_worker: dict[int, list[int]] = {}
+        for item, env_index in enumerate(ids):
+            by_worker.setdefault(self._worker_of[env_index], []).append(item)
+        for number, items in by_worker.items():
+            if number in self._flying:
+                env_index = ids[items[0]]
+                raise EnvStateError(
+                    f"env {env_index}: its worker is stepping envs {self._flying[number]}; "
+                    "recv() them before sending it.",
+                    env_index=env_index,
+                )
+        for number, items in sorted(by_worker.items()):
+            group = self._fan_out.groups[number]
+            env_list = [ids[item] for item in items]
+            batch = Batch(
+                [group.position_of[env_index] for env_index in env_list],
+                self._autoreset.resets(env_list),
+                actions[items] if isinstance(actions, np.ndarray) else [actions[i] for i in items],
+                self._autoreset.is_same_step,
+            )
+            group.supervisor.submit(batch)
+            self._flying[number] = env_list
+
+    def recv(self, batch_size: int | None, timeout: float | None) -> StepBatch:
+        """The first ``batch_size`` envs to finish (all in flight when None), ascending."""
+        in_flight = len(self._received) + sum(len(ids) for ids in self._flying.values())
+        if not in_flight:
+            raise EnvStateError("MultiEnv.recv() called with no env in flight; call send() first.")
+        size = in_flight if batch_size is None else batch_size
+        if not 1 <= size <= in_flight:
+            raise ValueError(
+                f"recv(batch_size={batch_size!r}) with {in_flight} envs in flight; pass a "
+                f"batch_size from 1 to {in_flight}, or None for all."
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self._received) < size:
+            flying = sorted(self._flying)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = self._fan_out.wait_any(flying, left)
+            if not ready:
+                raise WaitTimeoutError(
+                    f"recv() timed out after {timeout} s with {len(self._received)} of the "
+                    f"{size} envs ready; every step is still in flight, call recv() again."
+                )
+            groups = self._fan_out.groups
+            collected = {flying[k]: finish(groups[flying[k]]) for k in ready}
+            errors = self._assembly.receive(collected, self._flying, self._received)
+            if errors:
+                raise_first(errors)
+        ids = sorted(list(self._received)[:size])
+        rows = [self._received.pop(env_index) for env_index in ids]
+        return self._assembly.partial_batch(ids, rows)

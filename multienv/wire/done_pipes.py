@@ -1,0 +1,347 @@
+"""BOTH SIDES: how a vector's workers tell the parent that a fast batch is done.
+
+A worker that finishes a fast batch (``framing``) sends a ``DONE_RECORD``: its worker index,
+the batch's seq and ``DONE_OK`` or ``DONE_REPLY``. The records travel through pipes that the
+workers of one *group* share (the workers one parent thread collects; one set of pipes per
+group, because a thread that read another thread's record would leave that thread asleep):
+
+- the *done pipe*, which the parent sleeps on: a record written there wakes it;
+- the *quiet pipe*, which the parent only reads: a record there wakes nobody;
+- the *token pipe*, which counts the workers of a round.
+
+A vector's planned step is a *round*: each worker of a group of two or more gets a counted
+batch (``FAST_BATCH_COUNTED``), and the parent puts one token fewer than those workers in
+the group's token pipe (``DoneChannels.open_round``). A worker that finishes a counted batch
+writes its record to the quiet pipe, then takes a token; the one that finds none is the
+last, and writes its record to the done pipe as well (``DoneNotifier``). So the parent is
+woken once a step, by the last worker, not once per worker: a wake-up while another worker
+still steps takes that worker's core, or the parent's, for nothing. Any other batch writes
+its record to the done pipe at once, as every batch did before rounds.
+
+The rules that keep a round from losing its wake-up:
+
+- the parent drains stale tokens before it puts a round's in, unless it collected every
+  worker of the group's last round from its counted record: each of those took a token or
+  found none after its batch, so none is left (``open_round``);
+- a worker of the round that will not finish a counted batch (its step falls back to a
+  general batch, or is not sent, or the worker is dead) has its token given up by the
+  parent (``leave_round``);
+- while the parent sleeps on a counted batch, it also waits on the deaths of the round's
+  other workers (``round_sentinels``), and gives a dead one's token up;
+- before each sleep on a counted batch, the parent reads the quiet pipe: a worker that took
+  a token which a dead or absent one left over has finished without waking anyone;
+- a sleep on a counted batch ends by the earliest deadline of the round's workers still
+  stepping (``round_deadline``), not only the awaited one's: a worker with no deadline of
+  its own (a reset with no ``reset_timeout``) may finish quietly while another hangs. When
+  another's deadline ends it, the parent takes the tokens left (``break_round``), so that
+  every worker finishing from then on wakes it, and goes on to the late one, which it kills.
+
+So the last worker still stepping always finds no token, and a worker done before the
+parent gave a token up is found in the quiet pipe. A token given up twice only costs a
+wake-up more.
+
+Records are pipe data, not flags in shared memory: a pipe is ordered for every reader, so a
+record read is one whose results are all in shared memory, on any CPU. The parent keeps only
+the record of the batch it is waiting for from each worker (``expect``): a record from an
+earlier batch, in either pipe, is dropped.
+
+A planned step (``framing.PLANNED_STEP``) is also answered in shared memory: after its
+record, a worker that has everything in shared memory writes the step's seq into its
+*status* (``DoneNotifier.notify``), before it takes a token or wakes the parent. So once the
+parent is woken by a round's last worker, every worker's status is visible, and a vector's
+step reads them as one array (``data_plane``). The quiet pipe's write (or, for a worker
+alone in its group, the done pipe's) orders the results before the status on any CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from multienv.wire.framing import DONE_OK, DONE_RECORD
+
+_DRAIN_BYTES = 65536
+
+
+@dataclasses.dataclass
+class _Group:
+    """The pipes of one group of workers, each a (read, write) pair, and its round."""
+
+    size: int
+    done: tuple[int, int]
+    quiet: tuple[int, int]
+    tokens: tuple[int, int]
+    sentinels: dict[int, int] = dataclasses.field(default_factory=dict)  # worker -> sentinel
+    deadlines: dict[int, float] = dataclasses.field(default_factory=dict)  # worker -> deadline
+    collected: int = 0  # workers of the round collected from their counted records
+
+
+class DoneChannels:
+    """PARENT SIDE: the done, quiet and token pipes of a vector's groups, and the records read.
+
+    Args:
+        worker_groups: The worker indices of each group (one collecting thread each).
+        seqs: Where the seq each worker's batch in flight has is kept, by worker index (the
+            vector's shared memory, which planned steps read); None: an array of its own.
+
+    Attributes:
+        seqs: Per worker, the seq of the batch the parent awaits (``expect``).
+        done_seq: Per worker, the seq of the awaited batch once its record is read, else 0.
+        done_kind: Per worker, the kind of that record.
+    """
+
+    def __init__(
+        self, worker_groups: Sequence[Sequence[int]], seqs: np.ndarray | None = None
+    ) -> None:
+        """Open three pipes per group; the parent's read ends and the tokens never block."""
+        num_workers = sum(len(group) for group in worker_groups)
+        self._groups: list[_Group] = []
+        self._group_of: list[_Group | None] = [None] * num_workers
+        self._by_done_read: dict[int, _Group] = {}
+        for workers in worker_groups:
+            group = _Group(len(workers), os.pipe(), os.pipe(), os.pipe())
+            for read_fd in (group.done[0], group.quiet[0], group.tokens[0]):
+                os.set_blocking(read_fd, False)  # the workers' token reads too: shared flag
+            self._groups.append(group)
+            self._by_done_read[group.done[0]] = group
+            for worker_index in workers:
+                self._group_of[worker_index] = group
+        self.seqs = np.zeros(num_workers, dtype=np.uint8) if seqs is None else seqs
+        self.done_seq = [0] * num_workers
+        self.done_kind = [0] * num_workers
+
+    def done_read(self, worker_index: int) -> int:
+        """The read end of the done pipe of that worker's group: the one to sleep on."""
+        return self._group(worker_index).done[0]
+
+    def worker_fds(self, worker_index: int) -> tuple[int, int, int]:
+        """What a worker writes and reads: its group's done and quiet write ends, token read end."""
+        group = self._group(worker_index)
+        return group.done[1], group.quiet[1], group.tokens[0]
+
+    def expect(self, worker_index: int, seq: int) -> None:
+        """The worker was sent fast batch ``seq``: only its record counts from now on."""
+        self.seqs[worker_index] = seq
+
+    def drain(self, done_read: int) -> None:
+        """Read the records in the done and quiet pipes of that group; keep the awaited ones.
+
+        The done pipe first: a worker writes to the quiet pipe before the done pipe, so one
+        pass sees every record of a round whose last record it read.
+        """
+        group = self._by_done_read[done_read]
+        self._read_records(group.done[0])
+        self._read_records(group.quiet[0])
+
+    def drain_quiet(self, done_read: int) -> None:
+        """Read the records in the quiet pipe of that group, before the parent sleeps.
+
+        A record in the quiet pipe wakes no one, so it is read first; one in the done pipe
+        ends the sleep at once, and is read then.
+        """
+        self._read_records(self._by_done_read[done_read].quiet[0])
+
+    def open_round(self, is_written: bool = False) -> None:
+        """Start a round: each group of two or more workers gets one token fewer than workers.
+
+        ``is_written``: a vector's data plane wrote the tokens itself (fresh, after a drain)
+        and hands its round over: only the bookkeeping starts here.
+        """
+        for group in self._groups:
+            group.sentinels.clear()
+            group.deadlines.clear()
+            if group.size < 2 or is_written:
+                group.collected = 0
+                continue
+            if group.collected < group.size:  # else the last round took every token
+                _drain(group.tokens[0])
+            group.collected = 0
+            os.write(group.tokens[1], bytes(group.size - 1))
+
+    def is_counted(self, worker_index: int) -> bool:
+        """Whether this worker's batch in a round is counted (its group has two or more)."""
+        return self._group(worker_index).size >= 2
+
+    def join_round(self, worker_index: int, sentinel: int, deadline: float | None) -> None:
+        """The worker was sent its counted batch; ``sentinel`` tells its death.
+
+        ``deadline``: when the batch is late (``time.monotonic``); None: never.
+        """
+        group = self._group_of[worker_index]  # on every step of every worker: no call
+        assert group is not None
+        group.sentinels[worker_index] = sentinel
+        if deadline is not None:
+            group.deadlines[worker_index] = deadline
+
+    def take(self, worker_index: int, is_counted: bool) -> int:
+        """The awaited record of the worker is in: take it, settling a counted batch; its kind."""
+        self.done_seq[worker_index] = 0
+        if is_counted:
+            self.settle(worker_index, is_collected=True)
+        return self.done_kind[worker_index]
+
+    def settle(self, worker_index: int, is_collected: bool = False) -> None:
+        """The round waits for the worker's counted batch no more.
+
+        ``is_collected``: its record was read (else the worker died, or was given up).
+        """
+        group = self._group_of[worker_index]  # on every step of every worker: no call
+        assert group is not None
+        group.sentinels.pop(worker_index, None)
+        if group.deadlines:
+            group.deadlines.pop(worker_index, None)
+        if is_collected:
+            group.collected += 1
+
+    def round_deadline(self, worker_index: int) -> float | None:
+        """The earliest deadline of the other workers of the round whose records are not in."""
+        deadlines = self._group(worker_index).deadlines
+        awaited, done_seq = self.seqs, self.done_seq
+        late = [
+            deadline
+            for other, deadline in deadlines.items()
+            if other != worker_index and done_seq[other] != awaited[other]
+        ]
+        return min(late) if late else None
+
+    def break_round(self, worker_index: int) -> None:
+        """Make every worker of the group that finishes from now on wake the parent.
+
+        A worker of the round is late while the parent waits for another: the parent takes
+        the tokens left, so that the one it waits for wakes it, and it can go on to the late
+        one and kill it. The round's deadlines are dropped: the wait is for one worker now.
+        """
+        group = self._group(worker_index)
+        group.deadlines.clear()
+        _drain(group.tokens[0])
+
+    def round_sentinels(self, worker_index: int) -> list[int]:
+        """The sentinels of the other workers of this worker's round, still counted."""
+        sentinels = self._group(worker_index).sentinels
+        return [fd for other, fd in sentinels.items() if other != worker_index]
+
+    def leave_round(self, worker_index: int, sentinel: int | None = None) -> None:
+        """The worker will not finish its counted batch: give one token of its group up.
+
+        ``sentinel``: a death the parent saw; forget it, so it is given up once.
+        """
+        group = self._group(worker_index)
+        if sentinel is not None:
+            for other in [w for w, fd in group.sentinels.items() if fd == sentinel]:
+                self.settle(other)  # its death is seen: the round waits for it no more
+        if group.size >= 2:
+            try:
+                os.read(group.tokens[0], 1)
+            except BlockingIOError:
+                pass  # all taken: the workers still stepping each wake the parent
+
+    def close(self) -> None:
+        """Close every pipe end the parent holds."""
+        for group in self._groups:
+            for pipe in (group.done, group.quiet, group.tokens):
+                os.close(pipe[0])
+                os.close(pipe[1])
+        self._groups = []
+
+    def _group(self, worker_index: int) -> _Group:
+        group = self._group_of[worker_index]
+        assert group is not None
+        return group
+
+    def _read_records(self, read_fd: int) -> None:
+        while True:
+            try:
+                data = os.read(read_fd, _DRAIN_BYTES)
+            except BlockingIOError:
+                return
+            self.note_records(data)
+            if len(data) < _DRAIN_BYTES:
+                return
+
+    def note_records(self, data: bytes) -> None:
+        """Keep the awaited records among ``data``, records read from a group's pipes."""
+        awaited, done_seq, done_kind = self.seqs.tolist(), self.done_seq, self.done_kind
+        for worker_index, seq, kind in DONE_RECORD.iter_unpack(data):
+            if seq == awaited[worker_index]:
+                done_seq[worker_index] = seq
+                done_kind[worker_index] = kind
+
+    def forget_records(self) -> None:
+        """Drop every record read and not taken: none of them answers a batch in flight.
+
+        A vector's data plane calls it when it starts its rounds and when it hands one
+        over: the records it drained then are of batches already collected (the duplicate
+        a round's last worker writes to the done pipe, say). Kept, one whose seq comes round
+        again 255 batches later would answer that batch before its worker does.
+        """
+        self.done_seq[:] = [0] * len(self.done_seq)
+
+    def pipes(self) -> tuple[int, int, int, int]:
+        """The one group's done and quiet read ends, token write end and size (``data_plane``).
+
+        Raises:
+            ValueError: The vector has several groups.
+        """
+        if len(self._groups) != 1:
+            raise ValueError("a data plane needs the workers in one group")
+        group = self._groups[0]
+        return group.done[0], group.quiet[0], group.tokens[1], group.size
+
+    def drain_tokens(self) -> None:
+        """Drop the tokens left in every group's pipe (``data_plane``, before its rounds)."""
+        for group in self._groups:
+            _drain(group.tokens[0])
+
+
+class DoneNotifier:
+    """WORKER SIDE: send the records of this worker's fast batches.
+
+    Args:
+        worker_index: This worker's place among the vector's workers.
+        fds: Its group's done and quiet write ends and token read end; owned.
+    """
+
+    def __init__(self, worker_index: int, fds: tuple[int, int, int]) -> None:
+        """Keep the fds."""
+        self.worker_index = worker_index
+        self._done_fd, self._quiet_fd, self._tokens_fd = fds
+        self.status: np.ndarray | None = None  # the vector's status array, once it is mapped
+
+    def notify(self, seq: int, kind: int, is_counted: bool, is_planned: bool = False) -> None:
+        """Tell the parent batch ``seq`` is done; of a round's batches, only the last wakes it.
+
+        ``is_planned``: a planned step, whose answer also goes into the worker's status
+        (after the results, before the parent may wake): its seq when everything is in
+        shared memory, else 0, which no seq is.
+        """
+        record = DONE_RECORD.pack(self.worker_index, seq, kind)
+        status = self.status if is_planned else None
+        if is_counted:
+            os.write(self._quiet_fd, record)
+            if status is not None:
+                status[self.worker_index] = seq if kind == DONE_OK else 0
+            try:
+                if os.read(self._tokens_fd, 1):
+                    return  # another worker of the round is still stepping
+            except BlockingIOError:
+                pass  # the last one: wake the parent
+        elif status is not None:
+            status[self.worker_index] = seq if kind == DONE_OK else 0
+        os.write(self._done_fd, record)
+
+    def close(self) -> None:
+        """Close the fds."""
+        for fd in (self._done_fd, self._quiet_fd, self._tokens_fd):
+            os.close(fd)
+
+
+def _drain(read_fd: int) -> None:
+    """Read and drop whatever is in a non-blocking pipe."""
+    try:
+        while len(os.read(read_fd, _DRAIN_BYTES)) == _DRAIN_BYTES:
+            pass
+    except BlockingIOError:
+        pass
