@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import functools
-import gc
 import logging
 import os
 import select
@@ -28,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from multienv.backends.subprocess.forking.fork_source import immortalize_and_freeze
 from multienv.wire.autoreset import step_env
 from multienv.wire.done_pipes import DoneNotifier
 from multienv.wire.framing import (
@@ -419,25 +417,14 @@ def exit_with_direct_parent(expected_ppid: int) -> bool:
     return True
 
 
-def prepare_to_fork_workers(*, immortalize: bool = False) -> None:
-    """In a process that workers fork from (the module server, the forkserver), before forking.
+def warm_up() -> None:
+    """Run the worker's first-time code paths in this process (``fork_source``).
 
-    Runs the worker's first-time code paths here (loading libc, a message's encoding and
-    decoding) so that workers inherit them warm, and moves every object into the garbage
-    collector's permanent generation: a full collection in a worker then never writes to
-    the inherited objects, which would make each worker copy them (about 13 MiB with
-    Gymnasium's MuJoCo modules). Then it gives the heap's free pages back
-    (``release_free_memory``). ``immortalize``: make the objects created since the last
-    call immortal first (``fork_source.immortalize_and_freeze``).
+    Loading libc and a message's encoding and decoding: workers forked from here inherit
+    them warm.
     """
     _libc()
     _warm_up()
-    # No collection first: it would cost the server's start about 12 ms.
-    if immortalize:
-        immortalize_and_freeze()
-    else:
-        gc.freeze()
-    release_free_memory()
 
 
 def _exit_with_parent(parent_pid: int, owner_watch: OwnerWatch) -> None:

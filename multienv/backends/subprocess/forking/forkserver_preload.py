@@ -1,6 +1,6 @@
 """FORKSERVER ONLY: preloaded last by the forkserver; imports the user's modules and script.
 
-Then it warms and freezes what the workers inherit (``worker.prepare_to_fork_workers``).
+Then it warms and freezes what the workers inherit (``fork_source.prepare_to_fork_workers``).
 
 ``forkserver`` explains why the script must be imported by hand on CPython 3.11
 and 3.12. It has to happen in a module of its own, preloaded after ``multienv.worker.worker``:
@@ -18,13 +18,16 @@ import atexit
 import os
 import shutil
 
-from multienv.backends.subprocess.forking.fork_source import import_main, import_modules
+from multienv.backends.subprocess.forking.fork_source import (
+    import_main,
+    import_modules,
+    prepare_to_fork_workers,
+)
 from multienv.backends.subprocess.forking.forkserver import (
     MAIN_PATH_VARIABLE,
     MODULES_VARIABLE,
     TEMP_DIR_VARIABLE,
 )
-from multienv.wire.protocol import worker_module
 
 
 def _remove_temp_dir_at_exit() -> None:
@@ -43,4 +46,4 @@ _remove_temp_dir_at_exit()
 import_modules(filter(None, os.environ.pop(MODULES_VARIABLE, "").split(",")))
 import_main(os.environ.pop(MAIN_PATH_VARIABLE, None))
 if _is_forkserver:  # everything is imported: warm and freeze what workers inherit
-    worker_module().prepare_to_fork_workers()
+    prepare_to_fork_workers()

@@ -56,6 +56,7 @@ from multienv.backends.subprocess.forking.fork_source import (
     immortalize_and_freeze,
     import_main,
     import_modules,
+    prepare_to_fork_workers,
     starts_envs_at,
 )
 from multienv.errors import MissingMainGuardError
@@ -135,7 +136,7 @@ def main(fd: int) -> None:
         if threading.active_count() > 1:
             sock.send(REFUSED)
             return
-        worker_module().prepare_to_fork_workers()
+        prepare_to_fork_workers()
         sock.send(READY)
         serve(sock, start.owner_pid, main_failed)
 
@@ -225,7 +226,7 @@ class _Server:
         import_modules(request.modules)
         self.is_refusing = threading.active_count() > 1
         if not self.is_refusing:  # the new objects: pages no worker shares yet
-            worker_module().prepare_to_fork_workers(immortalize=True)
+            prepare_to_fork_workers(immortalize=True)
         self.sock.send(REFUSED if self.is_refusing else READY)
 
     def _start_worker(self, message: bytes, args: WorkerArgs, fds: list[int]) -> None:
