@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -36,6 +38,8 @@ import numpy as np
 
 from multienv.wire.info_columns import AddInfo
 from multienv.wire.protocol import Batch, BatchResult, Reply, Request, StepPlan
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from multienv.supervision.supervisor import WorkerSupervisor
@@ -280,9 +284,19 @@ class Backend:
     options: frozenset[str]
 
 
+# multienv's own backends, where its setup.cfg registers them: found even when the installed
+# entry points are missing or stale (a checkout run without ``pip install -e .``, or pulled
+# after modules moved).
+BUILT_IN_BACKENDS = {
+    "subprocess": "multienv.backends.subprocess.subprocess_env",
+    "ray": "multienv.backends.ray.ray_env",
+}
+
+
 def backend_names() -> list[str]:
-    """The names of the installed backends, sorted."""
-    return sorted(point.name for point in entry_points(group=ENTRY_POINT_GROUP))
+    """The names of the installed backends and the built-in ones, sorted."""
+    installed = {point.name for point in entry_points(group=ENTRY_POINT_GROUP)}
+    return sorted(installed | set(BUILT_IN_BACKENDS))
 
 
 @functools.cache
@@ -296,8 +310,22 @@ def find_backend(name: str) -> Backend:
         ValueError: No backend of that name is installed.
     """
     for point in entry_points(group=ENTRY_POINT_GROUP, name=name):
-        backend: Backend = point.load()
+        try:
+            backend: Backend = point.load()
+        except ImportError:
+            if name not in BUILT_IN_BACKENDS:
+                raise
+            logger.warning(
+                "the installed entry point %s = %s does not load; using multienv's own "
+                "(reinstall multienv: pip install -e .)",
+                name,
+                point.value,
+            )
+            break
         return backend
+    if name in BUILT_IN_BACKENDS:
+        built_in: Backend = importlib.import_module(BUILT_IN_BACKENDS[name]).BACKEND
+        return built_in
     raise ValueError(f"backend must be one of {backend_names()}, got {name!r}.")
 
 
