@@ -1,4 +1,4 @@
-"""PARENT SIDE, backend-neutral: one worker's supervisor, which keeps DESIGN.md's failure table.
+"""PARENT SIDE, backend-neutral: one worker's supervisor, which keeps the failure table.
 
 ``WorkerSupervisor``, one per worker, sends its calls and batches with their deadlines and
 keeps the death -> respawn -> replay table below: what a death means for the call in

@@ -3,8 +3,9 @@
 A death ends every episode of the worker. Each env stepped in the dying batch comes back at
 once as a flagged truncation; the worker's other envs are *lost* until their next step,
 which returns the same truncation without stepping (a reset clears it). A truncation carries
-the last observation the caller saw for that env, as DESIGN.md's failure table says: kept
-here when observations are pickled, read from the vector's shared memory otherwise.
+the last observation the caller saw for that env, as the failure table says
+(docs/failures.rst): kept here when observations are pickled, read from the vector's shared
+memory otherwise.
 """
 
 from __future__ import annotations

@@ -94,8 +94,6 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             fixed-shape spaces travel through shared memory, others pickled; True: the same,
             but a space of dynamic shape raises TypeError, as AsyncVectorEnv does; False:
             always pickled. The Ray backend has no shared memory and ignores it.
-        context: The multiprocessing start method (``"forkserver"``, ``"spawn"``,
-            ``"fork"``) or context; see ``resolve_context``.
         daemon: As ``AsyncVectorEnv`` takes it: False starts the worker processes as
             non-daemons, so env code may start processes of its own (they still exit with
             this process). The Ray backend ignores it.
@@ -108,8 +106,11 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             ``"different"``: spaces may differ within what Gymnasium can batch
             (``batch_differing_spaces``); observations are then pickled. A tuple
             ``(batched_space, single_space)`` sets the spaces outright.
-        **options: ``SubprocessEnv`` or ``RayEnv`` options (``ray_options=RayOptions(...)``
-            for Ray), used only when ``envs`` are factories.
+        **options: ``SubprocessEnv`` or ``RayEnv`` options, used only when ``envs`` are
+            factories: ``context`` (the multiprocessing start method, ``"forkserver"``,
+            ``"spawn"`` or ``"fork"``, or a context), timeouts, policies, ``pin_cpu``,
+            ``wait`` and the others ``SubprocessEnv`` documents; ``ray_options=RayOptions(...)``
+            for Ray.
     """
 
     @raised_here

@@ -5,7 +5,7 @@ One anonymous memory file (``os.memfd_create``) per vector holds, for every env:
 - two observation slots. A worker writes the observation of each step into the slot the
   parent names, never into the one holding the observation the caller saw last. So when a
   worker is killed halfway through a write, that observation is still intact, and the
-  truncation the caller gets for the crash carries it (DESIGN.md);
+  truncation the caller gets for the crash carries it (docs/failures.rst);
 - its action, written by the parent before the step is sent (array action spaces only);
 - its reward, terminated and truncated flags;
 - a row of info cells and the id of the info's schema (``info_columns``);
