@@ -167,6 +167,8 @@ def test_box_actions_travel_through_shared_memory():
             got, want = ours.step(actions), ref.step(actions)
             np.testing.assert_allclose(got[0], want[0], err_msg=str(t))
             np.testing.assert_allclose(got[1], want[1], err_msg=str(t))
+            # The step's actions are in the vector's shared buffer, which the workers read.
+            np.testing.assert_array_equal(ours._link._shared.actions, actions)
     finally:
         ours.close()
         ref.close()
