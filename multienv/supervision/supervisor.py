@@ -63,6 +63,12 @@ from multienv.wire.protocol import (
 logger = logging.getLogger(__name__)
 
 
+# The defaults of every backend's ``init_timeout`` and ``close_timeout_s``: how long a worker
+# may take to build its envs, and how long ``close()`` waits for it before killing it.
+INIT_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 5.0
+
+
 def batch_deadline(
     num_steps: int, num_resets: int, timeouts: tuple[float | None, float | None]
 ) -> float | None:
@@ -138,9 +144,9 @@ class WorkerSupervisor:
         restart_policy: RestartPolicy | None = None,
         step_timeout: float | None = None,
         reset_timeout: float | None = None,
-        init_timeout: float | None = 60.0,
+        init_timeout: float | None = INIT_TIMEOUT_S,
         restart_on_error: bool = False,
-        close_timeout_s: float = 5.0,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
         recycle: RecyclePolicy | None = None,
     ) -> None:
         """Create the supervisor; no worker is started yet."""

@@ -26,6 +26,7 @@ import numpy as np
 from multienv.errors import WaitTimeoutError
 from multienv.supervision.handles import VectorLink
 from multienv.supervision.supervisor import WorkerSupervisor
+from multienv.wire.info_columns import contiguous_slice
 from multienv.wire.protocol import Batch, BatchResult, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -74,11 +75,8 @@ def group_by_worker(
         group.position_array = np.asarray(group.positions, dtype=np.intp)
         group.position_of = dict(zip(group.env_ids, group.positions, strict=True))
         group.is_whole = group.positions == list(range(group.supervisor.num_envs))
-        first, count = group.env_ids[0], len(group.env_ids)
-        if group.env_ids == list(range(first, first + count)):
-            group.index = slice(first, first + count)
-        else:
-            group.index = np.asarray(group.env_ids)
+        run = contiguous_slice(group.env_ids)
+        group.index = run if run is not None else np.asarray(group.env_ids)
     return list(groups.values())
 
 

@@ -32,17 +32,11 @@ from multienv.wire.protocol import (
     Pairs,
     pack_states,
 )
+from multienv.wire.shared_memory import ARRAY_SPACES
 
 if TYPE_CHECKING:
     from multienv.vector.fan_out import WorkerGroup
     from multienv.wire.autoreset import Autoreset
-
-_ARRAY_SPACES = (
-    gym.spaces.Box,
-    gym.spaces.Discrete,
-    gym.spaces.MultiDiscrete,
-    gym.spaces.MultiBinary,
-)
 
 
 class PlanningApi:
@@ -274,7 +268,7 @@ def _actions(vec: PlanningApi, actions: Any, count: int) -> np.ndarray | list[An
     An array's elements reach the envs as numpy values, as ``SyncVectorEnv`` passes them.
     """
     space = vec.single_action_space
-    if isinstance(space, _ARRAY_SPACES):
+    if isinstance(space, ARRAY_SPACES):
         array = np.asarray(actions)
         shape = tuple(space.shape or ())
         if array.shape != (count, *shape):

@@ -17,14 +17,8 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space, iterate
 from multienv.errors import EnvStateError, SpaceMismatchError
 from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.lifecycle import EnvState
+from multienv.wire.shared_memory import ARRAY_SPACES
 from multienv.wire.space_bounds import lean_batch_space
-
-_ARRAY_ACTION_SPACES = (
-    gym.spaces.Box,
-    gym.spaces.Discrete,
-    gym.spaces.MultiDiscrete,
-    gym.spaces.MultiBinary,
-)
 
 
 def check_options(owner: str, options: Collection[str], valid: Collection[str]) -> None:
@@ -239,7 +233,7 @@ def split_actions(
         num_envs: How many envs the vector has.
     """
     n = len(env_ids)
-    if not isinstance(space, _ARRAY_ACTION_SPACES):
+    if not isinstance(space, ARRAY_SPACES):
         batch_space_n = action_space if n == num_envs else batch_space(space, n)
         try:
             per_env = list(iterate(batch_space_n, actions))

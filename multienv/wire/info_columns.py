@@ -182,11 +182,28 @@ class _Known:
 _NO_ROWS = _Known(InfoSchema((), ()), (), (), ())  # ``_whole_schema``: no env has a row
 
 
+def contiguous_slice(indices: Sequence[int]) -> slice | None:
+    """A run of ascending indices that follow each other as a slice (a view, not a copy).
+
+    None when they do not follow each other, or there are none. The one rule for every
+    index list that may be a slice: env rows, a worker's envs, info cells.
+
+    Example:
+        >>> contiguous_slice([4, 5, 6]), contiguous_slice([4, 6]), contiguous_slice([])
+        (slice(4, 7, None), None, None)
+    """
+    if not indices:
+        return None
+    first = indices[0]
+    if list(indices) != list(range(first, first + len(indices))):
+        return None
+    return slice(first, first + len(indices))
+
+
 def _as_slice(cells: list[int]) -> slice | np.ndarray:
-    """Cells that follow each other as a slice (a view, not a copy), else an index array."""
-    if cells == list(range(cells[0], cells[0] + len(cells))):
-        return slice(cells[0], cells[0] + len(cells))
-    return np.array(cells, dtype=np.intp)
+    """Cells that follow each other as a slice, else an index array."""
+    run = contiguous_slice(cells)
+    return run if run is not None else np.array(cells, dtype=np.intp)
 
 
 class ColumnReader:

@@ -48,9 +48,11 @@ from multienv.wire.info_columns import (
     SCHEMA_DTYPE,
     ColumnReader,
     ColumnWriter,
+    contiguous_slice,
 )
 
-_ARRAY_SPACES = (
+# The spaces whose values are one fixed-shape array: they travel as one, and batch as one.
+ARRAY_SPACES = (
     gym.spaces.Box,
     gym.spaces.Discrete,
     gym.spaces.MultiBinary,
@@ -75,7 +77,7 @@ def _leaves(space: gym.Space[Any], path: Path = ()) -> Iterator[tuple[Path, gym.
 
 
 def _is_fixed(space: gym.Space[Any]) -> bool:
-    return all(isinstance(leaf, _ARRAY_SPACES) for _, leaf in _leaves(space))
+    return all(isinstance(leaf, ARRAY_SPACES) for _, leaf in _leaves(space))
 
 
 def _dig(value: Any, path: Path) -> Any:
@@ -110,7 +112,7 @@ class BatchLayout:
         self.observation_space = observation_space
         self.action_space = action_space
         self.num_envs = num_envs
-        self.has_actions = isinstance(action_space, _ARRAY_SPACES)
+        self.has_actions = isinstance(action_space, ARRAY_SPACES)
         self._arrays: dict[str, tuple[int, tuple[int, ...], np.dtype[Any]]] = {}
         self._size = 0
         self.obs_paths = [path for path, _ in _leaves(observation_space)]
@@ -382,13 +384,8 @@ class SlotWriter:
         self.notifier = notifier
         self.env_indices = list(env_indices)
         self._all_positions = list(range(len(self.env_indices)))
-        first = self.env_indices[0] if self.env_indices else 0
         # All of the worker's envs, when they are a run of the vector's: one slice for all
-        self._whole: slice | None = (
-            slice(first, first + len(self.env_indices))
-            if self.env_indices == list(range(first, first + len(self.env_indices)))
-            else None
-        )
+        self._whole: slice | None = contiguous_slice(self.env_indices)
         self._obs = list(self._mapping.obs.items())
         # Large observations are written one by one, each as soon as its env has stepped:
         # written after the loop, a batch of them is read back from memory, not the cache.

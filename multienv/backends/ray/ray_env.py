@@ -32,7 +32,7 @@ from multienv.restart import RestartPolicy
 from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.factory import create_envs, supervise
 from multienv.supervision.handles import Backend, Death, VectorLink, WorkerHandle, keyword_options
-from multienv.supervision.supervisor import WorkerSupervisor
+from multienv.supervision.supervisor import CLOSE_TIMEOUT_S, INIT_TIMEOUT_S, WorkerSupervisor
 from multienv.wire.framing import decode, encode
 from multienv.wire.protocol import (
     Batch,
@@ -491,10 +491,10 @@ class RayEnv(RemoteEnv):
         restart_policy: RestartPolicy | None = None,
         step_timeout: float | None = None,
         reset_timeout: float | None = None,
-        init_timeout: float | None = 60.0,
+        init_timeout: float | None = INIT_TIMEOUT_S,
         restart_on_error: bool = False,
         recycle: RecyclePolicy | None = None,
-        close_timeout_s: float = 5.0,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
         env_index: int = 0,
     ) -> None:
         """Check the options and pickle ``env_fn``; no actor is created yet."""

@@ -36,7 +36,7 @@ from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.factory import create_envs, supervise
 from multienv.supervision.handles import Backend, keyword_options
 from multienv.supervision.lifecycle import EnvState
-from multienv.supervision.supervisor import WorkerSupervisor
+from multienv.supervision.supervisor import CLOSE_TIMEOUT_S, INIT_TIMEOUT_S, WorkerSupervisor
 from multienv.wire.worker_settings import SPIN_S, WorkerSettings, check_spinners, parent_spins
 
 EnvFn = Callable[[], gym.Env[Any, Any]]
@@ -189,10 +189,10 @@ class SubprocessEnv(RemoteEnv):
         restart_policy: RestartPolicy | None = None,
         step_timeout: float | None = None,
         reset_timeout: float | None = None,
-        init_timeout: float | None = 60.0,
+        init_timeout: float | None = INIT_TIMEOUT_S,
         restart_on_error: bool = False,
         recycle: RecyclePolicy | None = None,
-        close_timeout_s: float = 5.0,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
         env_index: int = 0,
         preload: Sequence[str] = (),
         daemon: bool = True,

@@ -17,6 +17,7 @@ import numpy as np
 from multienv.backends.subprocess.process_launch import LinkPayload
 from multienv.wire import framing
 from multienv.wire.framing import encode, frame
+from multienv.wire.info_columns import contiguous_slice
 from multienv.wire.protocol import (
     Batch,
     BatchResult,
@@ -48,9 +49,7 @@ class WorkerSeat:
         self.worker_index = worker_index
         self.env_indices = list(env_indices)
         self._env_index_array = np.asarray(self.env_indices, dtype=np.intp)
-        first, count = (self.env_indices or [0])[0], len(self.env_indices)
-        is_contiguous = count > 0 and self.env_indices == list(range(first, first + count))
-        self._env_slice = slice(first, first + count) if is_contiguous else None
+        self._env_slice = contiguous_slice(self.env_indices)
         self.done_read = -1 if shared is None else shared.done.done_read(worker_index)
         # Its batches in a round are counted: its group has other workers (``done_pipes``).
         self.is_grouped = shared is not None and shared.done.is_counted(worker_index)
