@@ -40,7 +40,7 @@ def notifier(channels: DoneChannels, worker_index: int) -> DoneNotifier:
 
 @pytest.fixture
 def workers(channels):
-    """The ends of the first group's three workers."""
+    """The ends of the first slice's three workers."""
     ends = [notifier(channels, w) for w in range(3)]
     yield ends
     for end in ends:
@@ -48,14 +48,14 @@ def workers(channels):
 
 
 def open_round(channels: DoneChannels, seq: int) -> None:
-    """The parent starts a round and sends batch ``seq`` to each of the first group's workers."""
+    """The parent starts a round and sends batch ``seq`` to each of the first slice's workers."""
     channels.open_round()
     for w in range(3):
         channels.expect(w, seq)
 
 
 def is_woken(channels: DoneChannels, worker_index: int) -> bool:
-    """Whether the parent, asleep on the worker's group's done pipe, would wake now."""
+    """Whether the parent, asleep on the worker's slice's done pipe, would wake now."""
     poller = select.poll()
     poller.register(channels.done_read(worker_index), select.POLLIN)
     return bool(poller.poll(0))
@@ -120,14 +120,14 @@ def test_a_batch_outside_a_round_wakes_the_parent_at_once(channels):
     worker.close()
 
 
-def test_a_group_of_one_worker_is_never_counted(channels):
-    assert [channels.is_counted(w) for w in range(4)] == [True, True, True, False]
+def test_a_slice_of_one_worker_is_never_counted(channels):
+    assert [channels.has_others(w) for w in range(4)] == [True, True, True, False]
     worker = notifier(channels, 3)
     channels.open_round()
     channels.expect(3, 1)
     worker.notify(1, DONE_OK, is_counted=False)
     assert is_woken(channels, 3)
-    assert not is_woken(channels, 0)  # each group has its own pipes
+    assert not is_woken(channels, 0)  # each slice has its own pipes
     worker.close()
 
 

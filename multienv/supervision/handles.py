@@ -251,7 +251,7 @@ class OpenLink(Protocol):
         handles: Sequence[WorkerHandle],
         spaces: tuple[gym.Space[Any], gym.Space[Any]],
         env_indices: Sequence[Sequence[int]],
-        worker_groups: Sequence[Sequence[int]],
+        slices: Sequence[Sequence[int]],
         shared_memory: bool | None,
     ) -> VectorLink:
         """Link ``handles`` (the vector's, by worker index) into one vector.
@@ -260,7 +260,7 @@ class OpenLink(Protocol):
             handles: The vector's handles, by worker index.
             spaces: The single-env observation and action spaces.
             env_indices: Per worker, the vector's index of each env, by position (-1: none).
-            worker_groups: The workers each collecting thread of the vector serves.
+            slices: The workers each collecting thread of the vector serves.
             shared_memory: Batch observations in shared memory: None when the space
                 allows, True (TypeError if it does not) or False. Backends without shared
                 memory ignore it.

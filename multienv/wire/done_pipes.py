@@ -2,16 +2,16 @@
 
 A worker that finishes a fast batch (``framing``) sends a ``DONE_RECORD``: its worker index,
 the batch's seq and ``DONE_OK`` or ``DONE_REPLY``. The records travel through pipes that the
-workers of one *group* share (the workers one parent thread collects; one set of pipes per
-group, because a thread that read another thread's record would leave that thread asleep):
+workers of one *slice* share (the workers one parent thread collects; one set of pipes per
+slice, because a thread that read another thread's record would leave that thread asleep):
 
 - the *done pipe*, which the parent sleeps on: a record written there wakes it;
 - the *quiet pipe*, which the parent only reads: a record there wakes nobody;
 - the *token pipe*, which counts the workers of a round.
 
-A vector's planned step is a *round*: each worker of a group of two or more gets a counted
+A vector's planned step is a *round*: each worker of a slice of two or more gets a counted
 batch (``FAST_BATCH_COUNTED``), and the parent puts one token fewer than those workers in
-the group's token pipe (``DoneChannels.open_round``). A worker that finishes a counted batch
+the slice's token pipe (``DoneChannels.open_round``). A worker that finishes a counted batch
 writes its record to the quiet pipe, then takes a token; the one that finds none is the
 last, and writes its record to the done pipe as well (``DoneNotifier``). So the parent is
 woken once a step, by the last worker, not once per worker: a wake-up while another worker
@@ -21,7 +21,7 @@ its record to the done pipe at once, as every batch did before rounds.
 The rules that keep a round from losing its wake-up:
 
 - the parent drains stale tokens before it puts a round's in, unless it collected every
-  worker of the group's last round from its counted record: each of those took a token or
+  worker of the slice's last round from its counted record: each of those took a token or
   found none after its batch, so none is left (``open_round``);
 - a worker of the round that will not finish a counted batch (its step falls back to a
   general batch, or is not sent, or the worker is dead) has its token given up by the
@@ -50,7 +50,7 @@ record, a worker that has everything in shared memory writes the step's seq into
 *status* (``DoneNotifier.notify``), before it takes a token or wakes the parent. So once the
 parent is woken by a round's last worker, every worker's status is visible, and a vector's
 step reads them as one array (``data_plane``). The quiet pipe's write (or, for a worker
-alone in its group, the done pipe's) orders the results before the status on any CPU.
+alone in its slice, the done pipe's) orders the results before the status on any CPU.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ _DRAIN_BYTES = 65536
 
 
 @dataclasses.dataclass
-class _Group:
-    """The pipes of one group of workers, each a (read, write) pair, and its round."""
+class _Slice:
+    """The pipes of one slice of workers, each a (read, write) pair, and its round."""
 
     size: int
     done: tuple[int, int]
@@ -80,10 +80,10 @@ class _Group:
 
 
 class DoneChannels:
-    """PARENT SIDE: the done, quiet and token pipes of a vector's groups, and the records read.
+    """PARENT SIDE: the done, quiet and token pipes of a vector's slices, and the records read.
 
     Args:
-        worker_groups: The worker indices of each group (one collecting thread each).
+        slices: The worker indices of each slice (one collecting thread each).
         seqs: Where the seq each worker's batch in flight has is kept, by worker index (the
             vector's shared memory, which planned steps read); None: an array of its own.
 
@@ -93,51 +93,49 @@ class DoneChannels:
         done_kind: Per worker, the kind of that record.
     """
 
-    def __init__(
-        self, worker_groups: Sequence[Sequence[int]], seqs: np.ndarray | None = None
-    ) -> None:
-        """Open three pipes per group; the parent's read ends and the tokens never block."""
-        num_workers = sum(len(group) for group in worker_groups)
-        self._groups: list[_Group] = []
-        self._group_of: list[_Group | None] = [None] * num_workers
-        self._by_done_read: dict[int, _Group] = {}
-        for workers in worker_groups:
-            group = _Group(len(workers), os.pipe(), os.pipe(), os.pipe())
-            for read_fd in (group.done[0], group.quiet[0], group.tokens[0]):
+    def __init__(self, slices: Sequence[Sequence[int]], seqs: np.ndarray | None = None) -> None:
+        """Open three pipes per slice; the parent's read ends and the tokens never block."""
+        num_workers = sum(len(part) for part in slices)
+        self._slices: list[_Slice] = []
+        self._slice_of: list[_Slice | None] = [None] * num_workers
+        self._by_done_read: dict[int, _Slice] = {}
+        for workers in slices:
+            part = _Slice(len(workers), os.pipe(), os.pipe(), os.pipe())
+            for read_fd in (part.done[0], part.quiet[0], part.tokens[0]):
                 os.set_blocking(read_fd, False)  # the workers' token reads too: shared flag
-            self._groups.append(group)
-            self._by_done_read[group.done[0]] = group
+            self._slices.append(part)
+            self._by_done_read[part.done[0]] = part
             for worker_index in workers:
-                self._group_of[worker_index] = group
+                self._slice_of[worker_index] = part
         self.seqs = np.zeros(num_workers, dtype=np.uint8) if seqs is None else seqs
         self.done_seq = [0] * num_workers
         self.done_kind = [0] * num_workers
 
     def done_read(self, worker_index: int) -> int:
-        """The read end of the done pipe of that worker's group: the one to sleep on."""
-        return self._group(worker_index).done[0]
+        """The read end of the done pipe of that worker's slice: the one to sleep on."""
+        return self._slice_of_worker(worker_index).done[0]
 
     def worker_fds(self, worker_index: int) -> tuple[int, int, int]:
-        """What a worker writes and reads: its group's done and quiet write ends, token read end."""
-        group = self._group(worker_index)
-        return group.done[1], group.quiet[1], group.tokens[0]
+        """What a worker writes and reads: its slice's done and quiet write ends, token read end."""
+        part = self._slice_of_worker(worker_index)
+        return part.done[1], part.quiet[1], part.tokens[0]
 
     def expect(self, worker_index: int, seq: int) -> None:
         """The worker was sent fast batch ``seq``: only its record counts from now on."""
         self.seqs[worker_index] = seq
 
     def drain(self, done_read: int) -> None:
-        """Read the records in the done and quiet pipes of that group; keep the awaited ones.
+        """Read the records in the done and quiet pipes of that slice; keep the awaited ones.
 
         The done pipe first: a worker writes to the quiet pipe before the done pipe, so one
         pass sees every record of a round whose last record it read.
         """
-        group = self._by_done_read[done_read]
-        self._read_records(group.done[0])
-        self._read_records(group.quiet[0])
+        part = self._by_done_read[done_read]
+        self._read_records(part.done[0])
+        self._read_records(part.quiet[0])
 
     def drain_quiet(self, done_read: int) -> None:
-        """Read the records in the quiet pipe of that group, before the parent sleeps.
+        """Read the records in the quiet pipe of that slice, before the parent sleeps.
 
         A record in the quiet pipe wakes no one, so it is read first; one in the done pipe
         ends the sleep at once, and is read then.
@@ -145,36 +143,36 @@ class DoneChannels:
         self._read_records(self._by_done_read[done_read].quiet[0])
 
     def open_round(self, is_written: bool = False) -> None:
-        """Start a round: each group of two or more workers gets one token fewer than workers.
+        """Start a round: each slice of two or more workers gets one token fewer than workers.
 
         ``is_written``: a vector's data plane wrote the tokens itself (fresh, after a drain)
         and hands its round over: only the bookkeeping starts here.
         """
-        for group in self._groups:
-            group.sentinels.clear()
-            group.deadlines.clear()
-            if group.size < 2 or is_written:
-                group.collected = 0
+        for part in self._slices:
+            part.sentinels.clear()
+            part.deadlines.clear()
+            if part.size < 2 or is_written:
+                part.collected = 0
                 continue
-            if group.collected < group.size:  # else the last round took every token
-                _drain(group.tokens[0])
-            group.collected = 0
-            os.write(group.tokens[1], bytes(group.size - 1))
+            if part.collected < part.size:  # else the last round took every token
+                _drain(part.tokens[0])
+            part.collected = 0
+            os.write(part.tokens[1], bytes(part.size - 1))
 
-    def is_counted(self, worker_index: int) -> bool:
-        """Whether this worker's batch in a round is counted (its group has two or more)."""
-        return self._group(worker_index).size >= 2
+    def has_others(self, worker_index: int) -> bool:
+        """Whether this worker's batch in a round is counted (its slice has two or more)."""
+        return self._slice_of_worker(worker_index).size >= 2
 
     def join_round(self, worker_index: int, sentinel: int, deadline: float | None) -> None:
         """The worker was sent its counted batch; ``sentinel`` tells its death.
 
         ``deadline``: when the batch is late (``time.monotonic``); None: never.
         """
-        group = self._group_of[worker_index]  # on every step of every worker: no call
-        assert group is not None
-        group.sentinels[worker_index] = sentinel
+        part = self._slice_of[worker_index]  # on every step of every worker: no call
+        assert part is not None
+        part.sentinels[worker_index] = sentinel
         if deadline is not None:
-            group.deadlines[worker_index] = deadline
+            part.deadlines[worker_index] = deadline
 
     def take(self, worker_index: int, is_counted: bool) -> int:
         """The awaited record of the worker is in: take it, settling a counted batch; its kind."""
@@ -188,17 +186,17 @@ class DoneChannels:
 
         ``is_collected``: its record was read (else the worker died, or was given up).
         """
-        group = self._group_of[worker_index]  # on every step of every worker: no call
-        assert group is not None
-        group.sentinels.pop(worker_index, None)
-        if group.deadlines:
-            group.deadlines.pop(worker_index, None)
+        part = self._slice_of[worker_index]  # on every step of every worker: no call
+        assert part is not None
+        part.sentinels.pop(worker_index, None)
+        if part.deadlines:
+            part.deadlines.pop(worker_index, None)
         if is_collected:
-            group.collected += 1
+            part.collected += 1
 
     def round_deadline(self, worker_index: int) -> float | None:
         """The earliest deadline of the other workers of the round whose records are not in."""
-        deadlines = self._group(worker_index).deadlines
+        deadlines = self._slice_of_worker(worker_index).deadlines
         awaited, done_seq = self.seqs, self.done_seq
         late = [
             deadline
@@ -208,48 +206,48 @@ class DoneChannels:
         return min(late) if late else None
 
     def break_round(self, worker_index: int) -> None:
-        """Make every worker of the group that finishes from now on wake the parent.
+        """Make every worker of the slice that finishes from now on wake the parent.
 
         A worker of the round is late while the parent waits for another: the parent takes
         the tokens left, so that the one it waits for wakes it, and it can go on to the late
         one and kill it. The round's deadlines are dropped: the wait is for one worker now.
         """
-        group = self._group(worker_index)
-        group.deadlines.clear()
-        _drain(group.tokens[0])
+        part = self._slice_of_worker(worker_index)
+        part.deadlines.clear()
+        _drain(part.tokens[0])
 
     def round_sentinels(self, worker_index: int) -> list[int]:
         """The sentinels of the other workers of this worker's round, still counted."""
-        sentinels = self._group(worker_index).sentinels
+        sentinels = self._slice_of_worker(worker_index).sentinels
         return [fd for other, fd in sentinels.items() if other != worker_index]
 
     def leave_round(self, worker_index: int, sentinel: int | None = None) -> None:
-        """The worker will not finish its counted batch: give one token of its group up.
+        """The worker will not finish its counted batch: give one token of its slice up.
 
         ``sentinel``: a death the parent saw; forget it, so it is given up once.
         """
-        group = self._group(worker_index)
+        part = self._slice_of_worker(worker_index)
         if sentinel is not None:
-            for other in [w for w, fd in group.sentinels.items() if fd == sentinel]:
+            for other in [w for w, fd in part.sentinels.items() if fd == sentinel]:
                 self.settle(other)  # its death is seen: the round waits for it no more
-        if group.size >= 2:
+        if part.size >= 2:
             try:
-                os.read(group.tokens[0], 1)
+                os.read(part.tokens[0], 1)
             except BlockingIOError:
                 pass  # all taken: the workers still stepping each wake the parent
 
     def close(self) -> None:
         """Close every pipe end the parent holds."""
-        for group in self._groups:
-            for pipe in (group.done, group.quiet, group.tokens):
+        for part in self._slices:
+            for pipe in (part.done, part.quiet, part.tokens):
                 os.close(pipe[0])
                 os.close(pipe[1])
-        self._groups = []
+        self._slices = []
 
-    def _group(self, worker_index: int) -> _Group:
-        group = self._group_of[worker_index]
-        assert group is not None
-        return group
+    def _slice_of_worker(self, worker_index: int) -> _Slice:
+        part = self._slice_of[worker_index]
+        assert part is not None
+        return part
 
     def _read_records(self, read_fd: int) -> None:
         while True:
@@ -262,7 +260,7 @@ class DoneChannels:
                 return
 
     def note_records(self, data: bytes) -> None:
-        """Keep the awaited records among ``data``, records read from a group's pipes."""
+        """Keep the awaited records among ``data``, records read from a slice's pipes."""
         awaited, done_seq, done_kind = self.seqs.tolist(), self.done_seq, self.done_kind
         for worker_index, seq, kind in DONE_RECORD.iter_unpack(data):
             if seq == awaited[worker_index]:
@@ -280,20 +278,20 @@ class DoneChannels:
         self.done_seq[:] = [0] * len(self.done_seq)
 
     def pipes(self) -> tuple[int, int, int, int]:
-        """The one group's done and quiet read ends, token write end and size (``data_plane``).
+        """The one slice's done and quiet read ends, token write end and size (``data_plane``).
 
         Raises:
-            ValueError: The vector has several groups.
+            ValueError: The vector has several slices.
         """
-        if len(self._groups) != 1:
-            raise ValueError("a data plane needs the workers in one group")
-        group = self._groups[0]
-        return group.done[0], group.quiet[0], group.tokens[1], group.size
+        if len(self._slices) != 1:
+            raise ValueError("a data plane needs the workers in one slice")
+        part = self._slices[0]
+        return part.done[0], part.quiet[0], part.tokens[1], part.size
 
     def drain_tokens(self) -> None:
-        """Drop the tokens left in every group's pipe (``data_plane``, before its rounds)."""
-        for group in self._groups:
-            _drain(group.tokens[0])
+        """Drop the tokens left in every slice's pipe (``data_plane``, before its rounds)."""
+        for part in self._slices:
+            _drain(part.tokens[0])
 
 
 class DoneNotifier:
@@ -301,7 +299,7 @@ class DoneNotifier:
 
     Args:
         worker_index: This worker's place among the vector's workers.
-        fds: Its group's done and quiet write ends and token read end; owned.
+        fds: Its slice's done and quiet write ends and token read end; owned.
     """
 
     def __init__(self, worker_index: int, fds: tuple[int, int, int]) -> None:

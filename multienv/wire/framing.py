@@ -11,7 +11,7 @@ of message travel:
   batches) then one ``FAST_ITEM`` (position, flags) per env. Its actions and observations
   travel in the vector's shared memory. Its first byte is below 0x80, which no pickle of
   protocol 2 or later starts with. The worker answers with one ``DONE_RECORD`` through its
-  group's done pipes (``done_pipes``); ``DONE_REPLY`` means a pickled ``Reply`` follows on
+  slice's done pipes (``done_pipes``); ``DONE_REPLY`` means a pickled ``Reply`` follows on
   the worker's own pipe (infos, final observations, errors). ``seq`` (1 to 255) tells a
   late record of a killed worker from the answer to the current batch;
 - a planned step: one byte, ``PLANNED_STEP`` (``PLANNED_STEP_COUNTED``), the same message

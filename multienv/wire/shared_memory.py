@@ -192,8 +192,8 @@ class SharedBatch:
         observation_space: The single-env observation space; see ``BatchLayout.supports``.
         action_space: The single-env action space.
         num_envs: How many envs the vector has.
-        worker_groups: The workers (by worker index) each parent thread collects, one set of
-            done pipes per group (``done_pipes``).
+        slices: The workers (by worker index) each parent thread collects, one set of
+            done pipes per slice (``done_pipes``).
         worker_of_env: Each env's worker index (default: one worker per env).
     """
 
@@ -202,7 +202,7 @@ class SharedBatch:
         observation_space: gym.Space[Any],
         action_space: gym.Space[Any],
         num_envs: int,
-        worker_groups: Sequence[Sequence[int]],
+        slices: Sequence[Sequence[int]],
         worker_of_env: Sequence[int] | np.ndarray | None = None,
     ) -> None:
         """Allocate the memory file and map it."""
@@ -223,7 +223,7 @@ class SharedBatch:
             np.arange(num_envs) if worker_of_env is None else np.asarray(worker_of_env),
         )
         # How the workers say a fast batch is done; the seq each awaits lives here.
-        self.done = DoneChannels(worker_groups, self._mapping.seqs)
+        self.done = DoneChannels(slices, self._mapping.seqs)
         # close() runs it; so does the collector, for a vector dropped unclosed.
         self._release = weakref.finalize(self, _release, self._mapping, self.fd, self.done)
         self._release.atexit = False  # the process's end frees all of it

@@ -398,7 +398,7 @@ def open_ray_link(
     handles: Sequence[WorkerHandle],
     spaces: tuple[gym.Space[Any], gym.Space[Any]],
     env_indices: Sequence[Sequence[int]],
-    worker_groups: Sequence[Sequence[int]],
+    slices: Sequence[Sequence[int]],
     shared_memory: bool | None,
 ) -> VectorLink:
     """Link ``handles`` into one vector: a multi-wait over their actors (``OpenLink``).

@@ -47,7 +47,7 @@ from multienv.wire.protocol import StepPlan
 from multienv.wire.shared_memory import SharedBatch
 
 _ALL = slice(None)
-_RECORDS_BYTES = 65536  # more than any group's records of one step
+_RECORDS_BYTES = 65536  # more than any slice's records of one step
 _HELD_STEPS = 256  # steps whose counts are held back before they are written
 
 
@@ -56,12 +56,12 @@ class DataPlane:
 
     Args:
         shared: The vector's shared batch.
-        vector: The vector's workers (by worker index, all in the shared batch's one group,
+        vector: The vector's workers (by worker index, all in the shared batch's one slice,
             each a run of its envs) and the state the data plane keeps for it: its
             ``needs_reset``, steps and episodes lazily.
 
     Raises:
-        ValueError: The workers are not in one group (the vector collects them on several
+        ValueError: The workers are not in one slice (the vector collects them on several
             threads); the vector then steps without a data plane.
     """
 

@@ -2,7 +2,7 @@
 
 It spawns the worker (or takes over a standby started ahead for a recycle), sends requests
 on its pipe, waits for the reply and the process's death together (``poll`` on the pipe,
-the process sentinel and, when linked, its group's done pipe), kills it, and keeps the last
+the process sentinel and, when linked, its slice's done pipe), kills it, and keeps the last
 lines it wrote to stderr. Linked into a vector (``shm_link.SubprocessLink``), it sends
 what its ``WorkerSeat`` encodes (a step as a few bytes, its actions in the vector's shared
 memory); the worker answers with one record on the done pipe.
@@ -266,7 +266,7 @@ class ProcessHandle:
     def submit_planned(self, plan: StepPlan, env_slice: slice, deadline: float | None) -> None:
         """Send this worker's slice of a planned step: its items are in shared memory.
 
-        In a round (``plan.is_counted``), its batch is counted when its group has others;
+        In a round (``plan.is_counted``), its batch is counted when its slice has others;
         ``deadline`` is when it is late (``collect_planned`` gets the same).
         """
         self._seat.next_seq()
@@ -277,7 +277,7 @@ class ProcessHandle:
         """This worker's slice of a planned step is in flight under its seq; join its round."""
         seat = self._seat
         assert seat.shared is not None
-        is_counted = plan.is_counted and seat.is_grouped
+        is_counted = plan.is_counted and seat.has_others
         if is_counted:
             done, process = seat.shared.done, self._process
             if process is None:  # no worker to take a token: give it up now
@@ -374,7 +374,7 @@ class ProcessHandle:
 
     @property
     def done_read(self) -> int:
-        """The read end of the done pipe of this worker's group; -1 when not linked."""
+        """The read end of the done pipe of this worker's slice; -1 when not linked."""
         return self._seat.done_read
 
     def has_record(self) -> bool:
@@ -399,7 +399,7 @@ class ProcessHandle:
         """Wait for one reply or the worker's death, whichever comes first, up to ``deadline``.
 
         The reply to a fast batch is its DONE record (``done_pipes``); every wait also reads
-        the group's records, since the records of the vector's other workers arrive there
+        the slice's records, since the records of the vector's other workers arrive there
         too, and they are noted for when their workers are collected. A wait for one of a
         round's batches also watches the round's other workers (``_wait_in_round``).
         """
@@ -479,7 +479,7 @@ class ProcessHandle:
             return Death(_describe_exit(process.exitcode))
 
     def _wait_in_round(self, timeout_ms: int | None) -> list[tuple[int, int]]:
-        """Sleep on the worker, its group's done pipe and the deaths of its round's others.
+        """Sleep on the worker, its slice's done pipe and the deaths of its round's others.
 
         A worker of the round that dies takes no token, so the one that finishes last may
         take one and wake no one; seeing the death, the parent gives its token up instead.

@@ -41,7 +41,7 @@ _STDERR_TAIL_LINES = 30
 _STANDBY_READY_S = 60.0  # a standby worker slower than this to build its envs is replaced
 _STANDBY_LAUNCH_S = 10.0  # stop() waits this long for a standby's launch to finish
 
-# What ``attach`` sends a worker: the ATTACH payload, the memory fd, its group's done pipe
+# What ``attach`` sends a worker: the ATTACH payload, the memory fd, its slice's done pipe
 # fds (``done_pipes.DoneChannels.worker_fds``), its pid.
 LinkPayload = tuple[Any, int, tuple[int, int, int], int]
 

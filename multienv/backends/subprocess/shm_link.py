@@ -33,14 +33,14 @@ def open_subprocess_link(
     handles: Sequence[WorkerHandle],
     spaces: tuple[gym.Space[Any], gym.Space[Any]],
     env_indices: Sequence[Sequence[int]],
-    worker_groups: Sequence[Sequence[int]],
+    slices: Sequence[Sequence[int]],
     shared_memory: bool | None,
 ) -> VectorLink:
     """Link ``handles`` into one vector: shared memory when the spaces allow it (``OpenLink``)."""
     process_handles = [handle for handle in handles if isinstance(handle, ProcessHandle)]
     if len(process_handles) != len(handles):
         raise TypeError("a vector's envs must all use the same backend")
-    return SubprocessLink(process_handles, spaces, env_indices, worker_groups, shared_memory)
+    return SubprocessLink(process_handles, spaces, env_indices, slices, shared_memory)
 
 
 class SubprocessLink:
@@ -50,7 +50,7 @@ class SubprocessLink:
         handles: The vector's worker handles, by worker index.
         spaces: The single-env observation and action spaces.
         env_indices: Per worker, the vector's index of each env, by position (-1: none).
-        worker_groups: The workers each collecting thread serves (one done pipe each).
+        slices: The workers each collecting thread serves (one done pipe each).
         shared_memory: None: shared memory when the space allows it; True: required
             (TypeError, as AsyncVectorEnv raises it, for a space of dynamic shape); False:
             observations are pickled.
@@ -61,7 +61,7 @@ class SubprocessLink:
         handles: Sequence[ProcessHandle],
         spaces: tuple[gym.Space[Any], gym.Space[Any]],
         env_indices: Sequence[Sequence[int]],
-        worker_groups: Sequence[Sequence[int]],
+        slices: Sequence[Sequence[int]],
         shared_memory: bool | None = None,
     ) -> None:
         """Allocate the shared memory (for fixed-shape observations) and tell each handle."""
@@ -76,7 +76,7 @@ class SubprocessLink:
             for worker_index, indices in enumerate(env_indices):
                 worker_of_env[[i for i in indices if i >= 0]] = worker_index
             self._shared = SharedBatch(
-                observation_space, action_space, num_envs, worker_groups, worker_of_env
+                observation_space, action_space, num_envs, slices, worker_of_env
             )
         self.has_shared_obs = self._shared is not None
         self._handles = list(handles)
@@ -180,13 +180,13 @@ class SubprocessLink:
         """The vector's healthy step in one pass (``data_plane``), if its layout allows one.
 
         It needs planned steps (array spaces, each worker a run of the vector's envs in
-        order) and all workers in one group.
+        order) and all workers in one slice.
         """
         if not self.can_plan or self._shared is None:
             return None
         try:
             return DataPlane(self._shared, vector)
-        except ValueError:  # several groups: the vector collects on several threads
+        except ValueError:  # several slices: the vector collects on several threads
             return None
 
     def merge_info_columns(

@@ -51,8 +51,8 @@ class WorkerSeat:
         self._env_index_array = np.asarray(self.env_indices, dtype=np.intp)
         self._env_slice = contiguous_slice(self.env_indices)
         self.done_read = -1 if shared is None else shared.done.done_read(worker_index)
-        # Its batches in a round are counted: its group has other workers (``done_pipes``).
-        self.is_grouped = shared is not None and shared.done.is_counted(worker_index)
+        # Its batches in a round are counted: its slice has other workers (``done_pipes``).
+        self.has_others = shared is not None and shared.done.has_others(worker_index)
         self._own_seq = 0  # the seq of an unlinked seat (a linked one's is in shared memory)
         self._batch: Batch | None = None  # None for a planned step's slice
         self._env_ids: Any = None  # the batch's env indices (array or slice); None if pickled
