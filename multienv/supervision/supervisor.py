@@ -51,7 +51,7 @@ from multienv.supervision.recycler import Recycler
 from multienv.supervision.truncation import CutEpisodes
 from multienv.supervision.worker_stats import WorkerStats
 from multienv.wire.protocol import (
-    PLANNED_OK,
+    DONE_OK_RESULT,
     Batch,
     BatchResult,
     Command,
@@ -352,7 +352,7 @@ class WorkerSupervisor:
     def finish(self) -> tuple[BatchResult | None, dict[int, Exception]]:
         """Collect the batch ``submit()`` sent: its result, and ``EnvError``s by item index.
 
-        The result is ``PLANNED_OK`` (None) for a clean planned step: everything is in the
+        The result is ``DONE_OK_RESULT`` (None) for a clean planned step: everything is in the
         vector's shared memory, and the vector reads it (and counts it) for all envs at once.
 
         Raises:
@@ -363,11 +363,11 @@ class WorkerSupervisor:
             assert pending.plan_slice is not None
             assert self._shm_handle is not None
             planned = self._shm_handle.collect_planned(pending.deadline)
-            if planned is PLANNED_OK:
+            if planned is DONE_OK_RESULT:
                 self._pending = None
                 self._ledger.note_success()
                 self.stats.note_latency(time.perf_counter() - pending.sent_at)
-                return PLANNED_OK, {}
+                return DONE_OK_RESULT, {}
             pending.batch = pending.sent = pending.plan.batch(pending.plan_slice)
             collected: BatchResult | Death = planned
         elif pending is None or pending.batch is None:

@@ -19,7 +19,7 @@ from gymnasium.vector.utils import concatenate, create_empty_array
 
 from multienv.supervision.handles import SharedMemoryLink, VectorLink
 from multienv.supervision.worker_stats import VectorCounters
-from multienv.vector.fan_out import Outcome, WorkerGroup
+from multienv.vector.fan_out import ByWorker, WorkerGroup
 from multienv.wire.autoreset import Autoreset, same_step_info
 from multienv.wire.protocol import StepPlan
 
@@ -91,7 +91,7 @@ class Assembly:
         self._truncations = np.zeros(num_envs, dtype=np.bool_)
 
     def reset_batch(
-        self, outcome: Outcome, groups: Sequence[WorkerGroup], mask: np.ndarray
+        self, outcome: ByWorker, groups: Sequence[WorkerGroup], mask: np.ndarray
     ) -> tuple[Any, dict[str, Any], dict[int, BaseException]]:
         """The reset's batched observations and infos, and its errors by env index."""
         infos: dict[str, Any] = {}
@@ -116,7 +116,7 @@ class Assembly:
         return self.observations(), infos, errors
 
     def step_batch(
-        self, outcome: Outcome, groups: Sequence[WorkerGroup], plan: StepPlan | None
+        self, outcome: ByWorker, groups: Sequence[WorkerGroup], plan: StepPlan | None
     ) -> tuple[StepBatch, dict[int, BaseException]]:
         """The step's batch, and its errors by env index (an env that raised did not step)."""
         if plan is not None and _is_clean(outcome, len(groups)):
@@ -173,7 +173,7 @@ class Assembly:
         return batch, errors
 
     def receive(
-        self, outcome: Outcome, flying: dict[int, list[int]], received: dict[int, tuple[Any, ...]]
+        self, outcome: ByWorker, flying: dict[int, list[int]], received: dict[int, tuple[Any, ...]]
     ) -> dict[int, BaseException]:
         """File collected workers' envs under ``received``, in the order they came in.
 
@@ -265,7 +265,7 @@ class Assembly:
     def _column_infos(
         self,
         pickled: dict[int, dict[str, Any]],
-        outcome: Outcome,
+        outcome: ByWorker,
         groups: Sequence[WorkerGroup],
         num_clean: int,
     ) -> dict[str, Any]:
@@ -290,7 +290,7 @@ class Assembly:
         return same_step_info(final_obs, info, reset_info)
 
 
-def _is_clean(outcome: Outcome, num_workers: int) -> bool:
+def _is_clean(outcome: ByWorker, num_workers: int) -> bool:
     """Whether every worker answered its part of a planned step with all of it in memory."""
     if len(outcome) != num_workers:
         return False

@@ -83,7 +83,7 @@ def group_by_worker(
 # What one worker's batch came back as: its result and errors by env index, or one error
 # (e.g. EnvCrashLoopError) for all of its envs.
 Collected = tuple[BatchResult | None, dict[int, BaseException]]
-Outcome = dict[int, Collected]  # by worker number
+ByWorker = dict[int, Collected]  # each worker's, by worker number (not protocol's Outcome)
 MakeBatch = Callable[[WorkerGroup], Batch | StepPlan | None]
 
 
@@ -149,9 +149,9 @@ def submit(group: WorkerGroup, order: Batch | StepPlan | None) -> bool:
 
 def run_slice(
     groups: Sequence[WorkerGroup], numbers: Sequence[int], make_batch: MakeBatch
-) -> Outcome:
+) -> ByWorker:
     """Send every worker of the slice its batch, then collect every reply."""
-    outcome: Outcome = {}
+    outcome: ByWorker = {}
     sent = []
     for number, group in zip(numbers, groups, strict=True):
         try:
@@ -164,7 +164,7 @@ def run_slice(
     return outcome
 
 
-def collect_slices(futures: list[Future[Outcome]], timeout: float | None, name: str) -> Outcome:
+def collect_slices(futures: list[Future[ByWorker]], timeout: float | None, name: str) -> ByWorker:
     """Wait for slices sent by ``step_async`` / ``reset_async``; on expiry they stay in flight.
 
     Raises:
@@ -178,7 +178,7 @@ def collect_slices(futures: list[Future[Outcome]], timeout: float | None, name: 
             f"{len(not_done)} of {len(futures)} slices still running; call {name}_wait() "
             "again, or close()."
         )
-    outcome: Outcome = {}
+    outcome: ByWorker = {}
     for future in futures:
         outcome.update(future.result())
     return outcome
@@ -278,7 +278,7 @@ class FanOut:
             for group in self.groups:
                 close_group(group)
 
-    def run(self, make_batch: MakeBatch, numbers: Iterable[int] | None = None) -> Outcome:
+    def run(self, make_batch: MakeBatch, numbers: Iterable[int] | None = None) -> ByWorker:
         """Send each worker its batch and collect it, by slices; the first runs inline."""
         groups = self.groups
         parts = self.slices
@@ -297,7 +297,7 @@ class FanOut:
                 merged.update(future.result())
         return merged
 
-    def submit_slices(self, make_batch: MakeBatch) -> list[Future[Outcome]]:
+    def submit_slices(self, make_batch: MakeBatch) -> list[Future[ByWorker]]:
         """Run every slice on the pool (``*_async``); ``collect_slices`` waits for them."""
         groups = self.groups
         return [
@@ -305,12 +305,12 @@ class FanOut:
             for part in self.slices
         ]
 
-    def run_limited(self, make_batch: MakeBatch, max_concurrency: int) -> Outcome:
+    def run_limited(self, make_batch: MakeBatch, max_concurrency: int) -> ByWorker:
         """Step every worker with at most ``max_concurrency`` envs in flight."""
         groups = self.groups
         queue = list(range(len(groups)))
         running: list[int] = []
-        outcome: Outcome = {}
+        outcome: ByWorker = {}
         while queue or running:
             while queue and (
                 not running

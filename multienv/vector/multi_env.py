@@ -38,9 +38,9 @@ from multienv.supervision.handles import DataPlane, SharedMemoryLink, VectorPart
 from multienv.vector import vector_checks
 from multienv.vector.assembly import Assembly, StepBatch
 from multienv.vector.fan_out import (
+    ByWorker,
     FanOut,
     MakeBatch,
-    Outcome,
     WorkerGroup,
     collect_slices,
     finish,
@@ -188,8 +188,8 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             self.copy,
             self._reset_after_crash,
         )
-        self._pending: list[Future[Outcome]] | None = None  # step_async()
-        self._pending_reset: tuple[list[Future[Outcome]], np.ndarray] | None = None
+        self._pending: list[Future[ByWorker]] | None = None  # step_async()
+        self._pending_reset: tuple[list[Future[ByWorker]], np.ndarray] | None = None
         self._plan: StepPlan | None = None  # the planned step in flight, if it is one
         self._in_flight = InFlight(self._fan_out, self._assembly, self._autoreset)
         # Planned steps (one vector op for all envs) need each worker's envs as one slice,
@@ -289,7 +289,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         mask = vector_checks.reset_mask(given_mask, self.num_envs)
         return reset_batches(seeds, per_env, mask), mask
 
-    def _finish_reset(self, outcome: Outcome, mask: np.ndarray) -> tuple[Any, dict[str, Any]]:
+    def _finish_reset(self, outcome: ByWorker, mask: np.ndarray) -> tuple[Any, dict[str, Any]]:
         """The reset's batched observations and infos; raises the lowest env's error, if any."""
         observations, infos, errors = self._assembly.reset_batch(outcome, self._groups, mask)
         if errors:
@@ -502,7 +502,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             actions, ids, self.single_action_space, self.action_space, self.num_envs
         )
 
-    def _finish_step(self, outcome: Outcome) -> StepBatch:
+    def _finish_step(self, outcome: ByWorker) -> StepBatch:
         """Assemble the workers' results into the vector's batch, then raise the first error."""
         plan, self._plan = self._plan, None
         batch, errors = self._assembly.step_batch(outcome, self._groups, plan)

@@ -211,7 +211,10 @@ class StepPlan:
         )
 
 
-PLANNED_OK = None  # what a worker's part of a StepPlan comes back as when all is in memory
+# A planned part whose DONE record said DONE_OK (``framing``): all its results are in shared
+# memory, so its result is this, not a ``BatchResult`` (the DONE_OK family: the record kind,
+# this, and ``process_handle._DONE_OK_REPLY``).
+DONE_OK_RESULT = None
 
 
 @dataclasses.dataclass

@@ -55,7 +55,7 @@ from multienv.wire.framing import (
 )
 from multienv.wire.procfs import resident_mb
 from multienv.wire.protocol import (
-    PLANNED_OK,
+    DONE_OK_RESULT,
     Batch,
     BatchResult,
     Reply,
@@ -314,10 +314,10 @@ class ProcessHandle:
             if shared.done.done_kind[worker_index] == DONE_OK:  # the usual case: no wait at all
                 self._notify_seq = 0
                 shared.done.take(worker_index, self._is_counted)
-                return PLANNED_OK
+                return DONE_OK_RESULT
         reply = self._receive(deadline)
         if reply is _DONE_OK_REPLY:
-            return PLANNED_OK
+            return DONE_OK_RESULT
         return reply if isinstance(reply, Death) else self._seat.result(reply)
 
     def collect_batch(self, deadline: float | None) -> BatchResult | Death:
