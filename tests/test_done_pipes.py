@@ -32,10 +32,10 @@ def channels():
     done.close()
 
 
-def notifier(channels: DoneChannels, worker_index: int) -> DoneNotifier:
+def notifier(channels: DoneChannels, worker_number: int) -> DoneNotifier:
     """A worker's end, with its own copies of the fds, as a worker receives them."""
-    fds = channels.worker_fds(worker_index)
-    return DoneNotifier(worker_index, (os.dup(fds[0]), os.dup(fds[1]), os.dup(fds[2])))
+    fds = channels.worker_fds(worker_number)
+    return DoneNotifier(worker_number, (os.dup(fds[0]), os.dup(fds[1]), os.dup(fds[2])))
 
 
 @pytest.fixture
@@ -54,10 +54,10 @@ def open_round(channels: DoneChannels, seq: int) -> None:
         channels.expect(w, seq)
 
 
-def is_woken(channels: DoneChannels, worker_index: int) -> bool:
+def is_woken(channels: DoneChannels, worker_number: int) -> bool:
     """Whether the parent, asleep on the worker's slice's done pipe, would wake now."""
     poller = select.poll()
-    poller.register(channels.done_read(worker_index), select.POLLIN)
+    poller.register(channels.done_read(worker_number), select.POLLIN)
     return bool(poller.poll(0))
 
 

@@ -72,8 +72,8 @@ def test_rows_merge_exactly_as_add_info_for_every_info_shape(worker_of_env):
                 writer.clear(env_index)
             elif not writer.write(env_index, info):
                 pickled[env_index] = info
-        for worker_index, writer in enumerate(writers):
-            reader.register(worker_index, writer.take_pending())
+        for worker_number, writer in enumerate(writers):
+            reader.register(worker_number, writer.take_pending())
         merged = reader.merge(pickled, slice(None), _Gymnasium(num_envs)._add_info)
         assert_same_tree(merged, gymnasium.merge(infos_by_env), f"step {step}")
         for key in merged:
@@ -93,8 +93,8 @@ def test_a_step_without_infos_after_one_with_rows_and_back_merges_as_add_info():
                 writer.clear(env_index)
             else:
                 assert writer.write(env_index, info)
-        for worker_index, writer in enumerate(writers):
-            reader.register(worker_index, writer.take_pending())
+        for worker_number, writer in enumerate(writers):
+            reader.register(worker_number, writer.take_pending())
         merged = reader.merge({}, slice(None), gymnasium._add_info)
         assert_same_tree(merged, gymnasium.merge(infos_by_env), f"step {step}")
         assert bool(merged) == bool(infos_by_env)
@@ -110,8 +110,8 @@ def test_stale_rows_are_not_read_and_plain_rows_really_are_columns():
     writers, reader = _columns(4, [0, 0, 1, 1])
     for env_index in range(4):
         assert writers[env_index // 2].write(env_index, {"x": float(env_index)})
-    for worker_index, writer in enumerate(writers):
-        reader.register(worker_index, writer.take_pending())
+    for worker_number, writer in enumerate(writers):
+        reader.register(worker_number, writer.take_pending())
     merged = reader.merge({}, np.array([2, 3]), _Gymnasium(4)._add_info)
     np.testing.assert_array_equal(merged["x"], [0.0, 0.0, 2.0, 3.0])
     np.testing.assert_array_equal(merged["_x"], [False, False, True, True])

@@ -34,11 +34,11 @@ def shared():
     batch.close()
 
 
-def writer_for(shared: SharedBatch, worker_index: int, env_indices: list[int]) -> SlotWriter:
+def writer_for(shared: SharedBatch, worker_number: int, env_indices: list[int]) -> SlotWriter:
     layout = pickle.loads(pickle.dumps(shared.layout))  # as the worker receives it
     assert shared.fd is not None
-    fds = tuple(os.dup(fd) for fd in shared.done.worker_fds(worker_index))
-    return SlotWriter(layout, os.dup(shared.fd), DoneNotifier(worker_index, fds), env_indices)
+    fds = tuple(os.dup(fd) for fd in shared.done.worker_fds(worker_number))
+    return SlotWriter(layout, os.dup(shared.fd), DoneNotifier(worker_number, fds), env_indices)
 
 
 def test_layout_pickles_to_the_same_offsets(shared: SharedBatch) -> None:

@@ -105,24 +105,24 @@ class DoneChannels:
                 os.set_blocking(read_fd, False)  # the workers' token reads too: shared flag
             self._slices.append(part)
             self._by_done_read[part.done[0]] = part
-            for worker_index in workers:
-                self._slice_of[worker_index] = part
+            for worker_number in workers:
+                self._slice_of[worker_number] = part
         self.seqs = np.zeros(num_workers, dtype=np.uint8) if seqs is None else seqs
         self.done_seq = [0] * num_workers
         self.done_kind = [0] * num_workers
 
-    def done_read(self, worker_index: int) -> int:
+    def done_read(self, worker_number: int) -> int:
         """The read end of the done pipe of that worker's slice: the one to sleep on."""
-        return self._slice_of_worker(worker_index).done[0]
+        return self._slice_of_worker(worker_number).done[0]
 
-    def worker_fds(self, worker_index: int) -> tuple[int, int, int]:
+    def worker_fds(self, worker_number: int) -> tuple[int, int, int]:
         """What a worker writes and reads: its slice's done and quiet write ends, token read end."""
-        part = self._slice_of_worker(worker_index)
+        part = self._slice_of_worker(worker_number)
         return part.done[1], part.quiet[1], part.tokens[0]
 
-    def expect(self, worker_index: int, seq: int) -> None:
+    def expect(self, worker_number: int, seq: int) -> None:
         """The worker was sent fast batch ``seq``: only its record counts from now on."""
-        self.seqs[worker_index] = seq
+        self.seqs[worker_number] = seq
 
     def drain(self, done_read: int) -> None:
         """Read the records in the done and quiet pipes of that slice; keep the awaited ones.
@@ -159,74 +159,74 @@ class DoneChannels:
             part.collected = 0
             os.write(part.tokens[1], bytes(part.size - 1))
 
-    def has_others(self, worker_index: int) -> bool:
+    def has_others(self, worker_number: int) -> bool:
         """Whether this worker's batch in a round is counted (its slice has two or more)."""
-        return self._slice_of_worker(worker_index).size >= 2
+        return self._slice_of_worker(worker_number).size >= 2
 
-    def join_round(self, worker_index: int, sentinel: int, deadline: float | None) -> None:
+    def join_round(self, worker_number: int, sentinel: int, deadline: float | None) -> None:
         """The worker was sent its counted batch; ``sentinel`` tells its death.
 
         ``deadline``: when the batch is late (``time.monotonic``); None: never.
         """
-        part = self._slice_of[worker_index]  # on every step of every worker: no call
+        part = self._slice_of[worker_number]  # on every step of every worker: no call
         assert part is not None
-        part.sentinels[worker_index] = sentinel
+        part.sentinels[worker_number] = sentinel
         if deadline is not None:
-            part.deadlines[worker_index] = deadline
+            part.deadlines[worker_number] = deadline
 
-    def take(self, worker_index: int, is_counted: bool) -> int:
+    def take(self, worker_number: int, is_counted: bool) -> int:
         """The awaited record of the worker is in: take it, settling a counted batch; its kind."""
-        self.done_seq[worker_index] = 0
+        self.done_seq[worker_number] = 0
         if is_counted:
-            self.settle(worker_index, is_collected=True)
-        return self.done_kind[worker_index]
+            self.settle(worker_number, is_collected=True)
+        return self.done_kind[worker_number]
 
-    def settle(self, worker_index: int, is_collected: bool = False) -> None:
+    def settle(self, worker_number: int, is_collected: bool = False) -> None:
         """The round waits for the worker's counted batch no more.
 
         ``is_collected``: its record was read (else the worker died, or was given up).
         """
-        part = self._slice_of[worker_index]  # on every step of every worker: no call
+        part = self._slice_of[worker_number]  # on every step of every worker: no call
         assert part is not None
-        part.sentinels.pop(worker_index, None)
+        part.sentinels.pop(worker_number, None)
         if part.deadlines:
-            part.deadlines.pop(worker_index, None)
+            part.deadlines.pop(worker_number, None)
         if is_collected:
             part.collected += 1
 
-    def round_deadline(self, worker_index: int) -> float | None:
+    def round_deadline(self, worker_number: int) -> float | None:
         """The earliest deadline of the other workers of the round whose records are not in."""
-        deadlines = self._slice_of_worker(worker_index).deadlines
+        deadlines = self._slice_of_worker(worker_number).deadlines
         awaited, done_seq = self.seqs, self.done_seq
         late = [
             deadline
             for other, deadline in deadlines.items()
-            if other != worker_index and done_seq[other] != awaited[other]
+            if other != worker_number and done_seq[other] != awaited[other]
         ]
         return min(late) if late else None
 
-    def break_round(self, worker_index: int) -> None:
+    def break_round(self, worker_number: int) -> None:
         """Make every worker of the slice that finishes from now on wake the parent.
 
         A worker of the round is late while the parent waits for another: the parent takes
         the tokens left, so that the one it waits for wakes it, and it can go on to the late
         one and kill it. The round's deadlines are dropped: the wait is for one worker now.
         """
-        part = self._slice_of_worker(worker_index)
+        part = self._slice_of_worker(worker_number)
         part.deadlines.clear()
         _drain(part.tokens[0])
 
-    def round_sentinels(self, worker_index: int) -> list[int]:
+    def round_sentinels(self, worker_number: int) -> list[int]:
         """The sentinels of the other workers of this worker's round, still counted."""
-        sentinels = self._slice_of_worker(worker_index).sentinels
-        return [fd for other, fd in sentinels.items() if other != worker_index]
+        sentinels = self._slice_of_worker(worker_number).sentinels
+        return [fd for other, fd in sentinels.items() if other != worker_number]
 
-    def leave_round(self, worker_index: int, sentinel: int | None = None) -> None:
+    def leave_round(self, worker_number: int, sentinel: int | None = None) -> None:
         """The worker will not finish its counted batch: give one token of its slice up.
 
         ``sentinel``: a death the parent saw; forget it, so it is given up once.
         """
-        part = self._slice_of_worker(worker_index)
+        part = self._slice_of_worker(worker_number)
         if sentinel is not None:
             for other in [w for w, fd in part.sentinels.items() if fd == sentinel]:
                 self.settle(other)  # its death is seen: the round waits for it no more
@@ -244,8 +244,8 @@ class DoneChannels:
                 os.close(pipe[1])
         self._slices = []
 
-    def _slice_of_worker(self, worker_index: int) -> _Slice:
-        part = self._slice_of[worker_index]
+    def _slice_of_worker(self, worker_number: int) -> _Slice:
+        part = self._slice_of[worker_number]
         assert part is not None
         return part
 
@@ -262,10 +262,10 @@ class DoneChannels:
     def note_records(self, data: bytes) -> None:
         """Keep the awaited records among ``data``, records read from a slice's pipes."""
         awaited, done_seq, done_kind = self.seqs.tolist(), self.done_seq, self.done_kind
-        for worker_index, seq, kind in DONE_RECORD.iter_unpack(data):
-            if seq == awaited[worker_index]:
-                done_seq[worker_index] = seq
-                done_kind[worker_index] = kind
+        for worker_number, seq, kind in DONE_RECORD.iter_unpack(data):
+            if seq == awaited[worker_number]:
+                done_seq[worker_number] = seq
+                done_kind[worker_number] = kind
 
     def forget_records(self) -> None:
         """Drop every record read and not taken: none of them answers a batch in flight.
@@ -298,13 +298,13 @@ class DoneNotifier:
     """WORKER SIDE: send the records of this worker's fast batches.
 
     Args:
-        worker_index: This worker's place among the vector's workers.
+        worker_number: This worker's place among the vector's workers.
         fds: Its slice's done and quiet write ends and token read end; owned.
     """
 
-    def __init__(self, worker_index: int, fds: tuple[int, int, int]) -> None:
+    def __init__(self, worker_number: int, fds: tuple[int, int, int]) -> None:
         """Keep the fds."""
-        self.worker_index = worker_index
+        self.worker_number = worker_number
         self._done_fd, self._quiet_fd, self._tokens_fd = fds
         self.status: np.ndarray | None = None  # the vector's status array, once it is mapped
 
@@ -315,19 +315,19 @@ class DoneNotifier:
         (after the results, before the parent may wake): its seq when everything is in
         shared memory, else 0, which no seq is.
         """
-        record = DONE_RECORD.pack(self.worker_index, seq, kind)
+        record = DONE_RECORD.pack(self.worker_number, seq, kind)
         status = self.status if is_planned else None
         if is_counted:
             os.write(self._quiet_fd, record)
             if status is not None:
-                status[self.worker_index] = seq if kind == DONE_OK else 0
+                status[self.worker_number] = seq if kind == DONE_OK else 0
             try:
                 if os.read(self._tokens_fd, 1):
                     return  # another worker of the round is still stepping
             except BlockingIOError:
                 pass  # the last one: wake the parent
         elif status is not None:
-            status[self.worker_index] = seq if kind == DONE_OK else 0
+            status[self.worker_number] = seq if kind == DONE_OK else 0
         os.write(self._done_fd, record)
 
     def close(self) -> None:

@@ -43,7 +43,7 @@ IS_RESET, IS_AUTORESET, IS_SLOT_1, IS_KEEP_NP_RANDOM = 1, 2, 4, 8  # the flags o
 IS_INFO_COLUMNS = 16  # a plain info goes into the shared info columns (``info_columns``)
 IS_NEXT_STEP = 32  # reset instead of step if the env's last result ended (``autoreset``)
 _SLOT_SHIFT = 2  # IS_SLOT_1 == 1 << _SLOT_SHIFT
-DONE_RECORD = struct.Struct("<HBB")  # worker_index, seq, DONE_OK or DONE_REPLY; atomic in a pipe
+DONE_RECORD = struct.Struct("<HBB")  # worker_number, seq, DONE_OK or DONE_REPLY; atomic in a pipe
 DONE_OK = 0  # everything is in shared memory
 DONE_REPLY = 1  # a framed Reply follows on the worker's own pipe: {position: Outcome}
 

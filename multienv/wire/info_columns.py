@@ -232,7 +232,7 @@ class ColumnReader:
         # The schema ids of every env, as bytes -> the one schema they all name, or None
         self._whole: dict[bytes, _Known | None] = {}
 
-    def register(self, worker_index: int, schemas: Sequence[tuple[int, InfoSchema]]) -> None:
+    def register(self, worker_number: int, schemas: Sequence[tuple[int, InfoSchema]]) -> None:
         """Note the schemas a worker numbered; it sends them before the rows that use them."""
         with self._lock:  # the collecting threads of several slices may register at once
             for schema_id, schema in schemas:
@@ -240,7 +240,7 @@ class ColumnReader:
                 if global_id is None:
                     global_id = self._global_of[schema] = len(self._known)
                     self._known.append(_Known.of(schema))
-                self._table[worker_index, schema_id] = global_id
+                self._table[worker_number, schema_id] = global_id
             self._whole.clear()
 
     def merge(

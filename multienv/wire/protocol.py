@@ -28,7 +28,7 @@ class Command(enum.IntEnum):
     GET_ATTR = 5  # payload: name
     SET_ATTR = 6  # payload: (name, value)
     CLOSE = 7  # payload: None; the worker closes its envs, replies and exits
-    ATTACH = 8  # payload: (BatchLayout, worker_index, env_indices); two fds follow
+    ATTACH = 8  # payload: (BatchLayout, worker_number, env_indices); two fds follow
     GET_STATE = 9  # payload: None; the reply's value is a state (see EnvSnapshot)
     SET_STATE = 10  # payload: a state
     STEP_PAIRS = 11  # payload: Pairs; the reply's value is PairResults

@@ -404,7 +404,7 @@ class SlotWriter:
         whole = self._whole
         assert whole is not None  # the parent plans only workers of a run of its envs
         mapping = self._mapping
-        seq = int(mapping.seqs[self.notifier.worker_index])
+        seq = int(mapping.seqs[self.notifier.worker_number])
         items = list(enumerate(mapping.plan_flags[whole].tolist()))
         if items and items[0][1] & IS_NEXT_STEP:  # a step's flags are the same for all envs
             flags = mapping.flags

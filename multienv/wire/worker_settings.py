@@ -105,7 +105,7 @@ class WorkerSettings:
         environ: Mapping[str, str] = os.environ,
         wait: str = "sleep",
     ) -> WorkerSettings:
-        """The settings of worker ``worker_number``, decided in the parent.
+        """The settings of one worker, decided in the parent.
 
         Args:
             blas_threads: Threads per BLAS/OpenMP pool in the worker; None leaves them be.

@@ -222,12 +222,12 @@ class _Loop:
 
     def _attach(self, payload: tuple[BatchLayout, int, list[int]]) -> None:
         # The parent sends the fds only after this ack, so no read of ours can swallow them.
-        layout, worker_index, env_indices = payload
+        layout, worker_number, env_indices = payload
         write_message(self.fd, encode(Reply()))
         memory_fd = recv_handle(self.conn)
         done_fds = (recv_handle(self.conn), recv_handle(self.conn), recv_handle(self.conn))
         self.writer = SlotWriter(
-            layout, memory_fd, DoneNotifier(worker_index, done_fds), env_indices
+            layout, memory_fd, DoneNotifier(worker_number, done_fds), env_indices
         )
         write_message(self.fd, encode(Reply()))
 

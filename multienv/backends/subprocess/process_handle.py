@@ -281,10 +281,10 @@ class ProcessHandle:
         if is_counted:
             done, process = seat.shared.done, self._process
             if process is None:  # no worker to take a token: give it up now
-                done.leave_round(seat.worker_index)
+                done.leave_round(seat.worker_number)
                 is_counted = False
             else:
-                done.join_round(seat.worker_index, process.sentinel, deadline)
+                done.join_round(seat.worker_number, process.sentinel, deadline)
         seat.take_planned(plan, env_slice)
         self._notify_seq = seat.seq
         self._is_counted = is_counted
@@ -305,15 +305,15 @@ class ProcessHandle:
         """This worker's part of a round goes as a general batch, or not at all (``done_pipes``)."""
         seat = self._seat
         if seat.shared is not None:
-            seat.shared.done.leave_round(seat.worker_index)
+            seat.shared.done.leave_round(seat.worker_number)
 
     def collect_planned(self, deadline: float | None) -> BatchResult | Death | None:
         """Wait for this worker's slice of a plan: None when all of it is in shared memory."""
-        shared, worker_index, seq = self._seat.shared, self._seat.worker_index, self._notify_seq
-        if shared is not None and seq and shared.done.done_seq[worker_index] == seq:
-            if shared.done.done_kind[worker_index] == DONE_OK:  # the usual case: no wait at all
+        shared, worker_number, seq = self._seat.shared, self._seat.worker_number, self._notify_seq
+        if shared is not None and seq and shared.done.done_seq[worker_number] == seq:
+            if shared.done.done_kind[worker_number] == DONE_OK:  # the usual case: no wait at all
                 self._notify_seq = 0
-                shared.done.take(worker_index, self._is_counted)
+                shared.done.take(worker_number, self._is_counted)
                 return DONE_OK_RESULT
         reply = self._receive(deadline)
         if reply is _DONE_OK_REPLY:
@@ -357,10 +357,10 @@ class ProcessHandle:
         )
 
     def set_link(
-        self, shared: SharedBatch | None, worker_index: int, env_indices: Sequence[int]
+        self, shared: SharedBatch | None, worker_number: int, env_indices: Sequence[int]
     ) -> None:
         """Take this worker's place in a vector (``SubprocessLink`` calls it)."""
-        old, self._seat = self._seat, WorkerSeat(shared, worker_index, env_indices)
+        old, self._seat = self._seat, WorkerSeat(shared, worker_number, env_indices)
         self._seat.seq = old.seq  # a late record of the old seat's batch must not answer
         if self._poller is None:
             return
@@ -410,12 +410,12 @@ class ProcessHandle:
         if process is None:
             return Death("unknown")
         seq = self._notify_seq
-        worker_index, done_read = seat.worker_index, seat.done_read
+        worker_number, done_read = seat.worker_number, seat.done_read
         done = None if shared is None else shared.done
         while True:
-            if seq and done is not None and done.done_seq[worker_index] == seq:
+            if seq and done is not None and done.done_seq[worker_number] == seq:
                 self._notify_seq = 0  # a late record of this batch must not answer a later one
-                if done.take(worker_index, self._is_counted) == DONE_OK:
+                if done.take(worker_number, self._is_counted) == DONE_OK:
                     return _DONE_OK_REPLY
                 seq = 0  # the reply follows on our own pipe
             is_mate_late = False  # a wait in a round ended by another worker's deadline
@@ -425,9 +425,9 @@ class ProcessHandle:
                     wake_at = deadline
                     if seq and self._is_counted and done is not None:
                         done.drain_quiet(done_read)  # a record there wakes no one
-                        if done.done_seq[worker_index] == seq:
+                        if done.done_seq[worker_number] == seq:
                             continue
-                        mates = done.round_deadline(worker_index)
+                        mates = done.round_deadline(worker_number)
                         if mates is not None and (wake_at is None or mates < wake_at):
                             wake_at, is_mate_late = mates, True
                         events = self._wait_in_round(poll_ms(wake_at, time.monotonic()))
@@ -443,7 +443,7 @@ class ProcessHandle:
                 done.drain(done_read)  # on a timeout too: a round's record may be in
                 if done_read in fds:
                     fds.remove(done_read)
-                if seq and done.done_seq[worker_index] == seq:
+                if seq and done.done_seq[worker_number] == seq:
                     continue  # answered: taken at the top
                 if not fds and not is_timeout:
                     continue  # records of other workers only
@@ -461,7 +461,7 @@ class ProcessHandle:
                     pass
             elif not fds and is_mate_late:
                 assert done is not None
-                done.break_round(worker_index)  # it wakes the parent now; the late one is next
+                done.break_round(worker_number)  # it wakes the parent now; the late one is next
                 continue
             elif not fds:
                 logger.info(  # the supervisor logs the death at WARNING
@@ -490,7 +490,7 @@ class ProcessHandle:
         poller = select.poll()
         for fd in (self._fd, process.sentinel, seat.done_read):
             poller.register(fd, select.POLLIN)
-        for fd in seat.shared.done.round_sentinels(seat.worker_index):
+        for fd in seat.shared.done.round_sentinels(seat.worker_number):
             poller.register(fd, select.POLLIN)
         events: list[tuple[int, int]] = poller.poll(timeout_ms)
         return events
@@ -500,7 +500,7 @@ class ProcessHandle:
         if self._is_counted and self._seat.shared is not None and self._process is not None:
             self._is_counted = False
             self._seat.shared.done.leave_round(
-                self._seat.worker_index, sentinel=self._process.sentinel
+                self._seat.worker_number, sentinel=self._process.sentinel
             )
 
 
@@ -512,7 +512,7 @@ def _note_deaths_in_round(seat: WorkerSeat, fds: list[int], own: tuple[int, int]
     assert seat.shared is not None
     for fd in fds:
         if fd not in own:
-            seat.shared.done.leave_round(seat.worker_index, sentinel=fd)
+            seat.shared.done.leave_round(seat.worker_number, sentinel=fd)
     return [fd for fd in fds if fd in own]
 
 

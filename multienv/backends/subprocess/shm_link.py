@@ -73,15 +73,15 @@ class SubprocessLink:
             _explain_no_shared_memory(observation_space)  # unless Gymnasium could share it
         if supported and shared_memory is not False:
             worker_of_env = np.zeros(num_envs, dtype=np.intp)
-            for worker_index, indices in enumerate(env_indices):
-                worker_of_env[[i for i in indices if i >= 0]] = worker_index
+            for worker_number, indices in enumerate(env_indices):
+                worker_of_env[[i for i in indices if i >= 0]] = worker_number
             self._shared = SharedBatch(
                 observation_space, action_space, num_envs, slices, worker_of_env
             )
         self.has_shared_obs = self._shared is not None
         self._handles = list(handles)
-        for worker_index, handle in enumerate(handles):
-            handle.set_link(self._shared, worker_index, env_indices[worker_index])
+        for worker_number, handle in enumerate(handles):
+            handle.set_link(self._shared, worker_number, env_indices[worker_number])
         # Planned steps need env e at position e - first of its worker, workers in order.
         flat = [i for indices in env_indices for i in indices]
         self.can_plan = (

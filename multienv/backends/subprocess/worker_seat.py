@@ -37,22 +37,22 @@ class WorkerSeat:
 
     Args:
         shared: The vector's shared batch; None for a worker not linked to one.
-        worker_index: The worker's index in the vector.
+        worker_number: The worker's index in the vector.
         env_indices: The vector's index of each of the worker's envs, by position.
     """
 
     def __init__(
-        self, shared: SharedBatch | None, worker_index: int, env_indices: Sequence[int]
+        self, shared: SharedBatch | None, worker_number: int, env_indices: Sequence[int]
     ) -> None:
         """Remember the worker's envs; a contiguous run of them is kept as a slice."""
         self.shared = shared
-        self.worker_index = worker_index
+        self.worker_number = worker_number
         self.env_indices = list(env_indices)
         self._env_index_array = np.asarray(self.env_indices, dtype=np.intp)
         self._env_slice = contiguous_slice(self.env_indices)
-        self.done_read = -1 if shared is None else shared.done.done_read(worker_index)
+        self.done_read = -1 if shared is None else shared.done.done_read(worker_number)
         # Its batches in a round are counted: its slice has other workers (``done_pipes``).
-        self.has_others = shared is not None and shared.done.has_others(worker_index)
+        self.has_others = shared is not None and shared.done.has_others(worker_number)
         self._own_seq = 0  # the seq of an unlinked seat (a linked one's is in shared memory)
         self._batch: Batch | None = None  # None for a planned step's slice
         self._env_ids: Any = None  # the batch's env indices (array or slice); None if pickled
@@ -64,14 +64,14 @@ class WorkerSeat:
         """The seq of the last fast batch (1 to 255; 0 before the first)."""
         if self.shared is None:
             return self._own_seq
-        return int(self.shared.done.seqs[self.worker_index])
+        return int(self.shared.done.seqs[self.worker_number])
 
     @seq.setter
     def seq(self, seq: int) -> None:
         if self.shared is None:
             self._own_seq = seq
         else:
-            self.shared.done.expect(self.worker_index, seq)
+            self.shared.done.expect(self.worker_number, seq)
 
     def next_seq(self) -> int:
         """Number the next fast batch; only its record counts from now on."""
@@ -84,13 +84,13 @@ class WorkerSeat:
         shared = self.shared
         assert shared is not None
         assert shared.fd is not None
-        payload = (shared.layout, self.worker_index, self.env_indices)
-        return payload, shared.fd, shared.done.worker_fds(self.worker_index), pid
+        payload = (shared.layout, self.worker_number, self.env_indices)
+        return payload, shared.fd, shared.done.worker_fds(self.worker_number), pid
 
     def has_record(self, seq: int) -> bool:
         """Whether the DONE record of fast batch ``seq`` has been read already."""
         shared = self.shared
-        return bool(seq) and shared is not None and shared.done.done_seq[self.worker_index] == seq
+        return bool(seq) and shared is not None and shared.done.done_seq[self.worker_number] == seq
 
     def read_obs(self, position: int) -> Any:
         """The observation the env at ``position`` is on in shared memory; None if unlinked."""
@@ -154,7 +154,7 @@ class WorkerSeat:
         batch, env_ids = self._batch, self._env_ids
         is_planned = batch is None
         if reply.schemas and self.shared is not None:
-            self.shared.infos.register(self.worker_index, reply.schemas)
+            self.shared.infos.register(self.worker_number, reply.schemas)
         if batch is None:  # a planned step's slice
             assert isinstance(env_ids, slice)
             count = env_ids.stop - env_ids.start
