@@ -21,7 +21,7 @@ from multienv.supervision.handles import SharedMemoryLink, VectorLink
 from multienv.supervision.worker_stats import VectorCounters
 from multienv.vector.fan_out import ByWorker, WorkerGroup
 from multienv.wire.autoreset import Autoreset, same_step_info
-from multienv.wire.protocol import StepPlan
+from multienv.wire.protocol import BatchResult, StepPlan
 
 StepBatch = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
 _ALL = slice(None)
@@ -147,20 +147,11 @@ class Assembly:
             terminations[index] = result.terminated
             truncations[index] = result.truncated
             autoreset.after_step(index, result.terminated, result.truncated)
-            if result.obs is not None:
-                for item, env_index in enumerate(group.env_ids):
-                    if env_index not in group_errors:  # an env that raised keeps its obs
-                        self.env_obs[env_index] = result.obs[item]
-            for item, extra in result.extras.items():
-                env_index = group.env_ids[item]
-                if env_index in group_errors:
-                    continue
-                is_done = bool(result.terminated[item] or result.truncated[item])
-                info, must_reset = autoreset.step_info(extra, is_done)
-                if must_reset:
-                    info = self._crash_reset(env_index, info)
-                if info:
-                    pickled[env_index] = info
+            for item, env_index in enumerate(group.env_ids):
+                if env_index not in group_errors:  # an env that raised keeps its obs
+                    info = self._file_env(result, item, env_index)
+                    if info:
+                        pickled[env_index] = info
         if plan is not None:
             infos = self._column_infos(pickled, outcome, groups, len(clean))
         else:
@@ -192,18 +183,25 @@ class Assembly:
             for item, env_index in enumerate(ids):
                 if env_index in group_errors:
                     continue
-                if result.obs is not None:
-                    self.env_obs[env_index] = result.obs[item]
-                info: dict[str, Any] = {}
+                info = self._file_env(result, item, env_index)
                 terminated, truncated = bool(result.terminated[item]), bool(result.truncated[item])
-                extra = result.extras.get(item)
-                if extra is not None:
-                    info, must_reset = self.autoreset.step_info(extra, terminated or truncated)
-                    if must_reset:
-                        info = self._crash_reset(env_index, info)
-                reward = float(result.rewards[item])
-                received[env_index] = (reward, terminated, truncated, info)
+                received[env_index] = (float(result.rewards[item]), terminated, truncated, info)
         return errors
+
+    def _file_env(self, result: BatchResult, item: int, env_index: int) -> dict[str, Any]:
+        """One env's part of its worker's step: keep its observation, return its info.
+
+        The info is what the autoreset rule makes of the worker's extras for that env
+        (``Autoreset.step_info``), with a crash's reset applied; empty when there are none.
+        """
+        if result.obs is not None:
+            self.env_obs[env_index] = result.obs[item]
+        extra = result.extras.get(item)
+        if extra is None:
+            return {}
+        is_done = bool(result.terminated[item] or result.truncated[item])
+        info, must_reset = self.autoreset.step_info(extra, is_done)
+        return self._crash_reset(env_index, info) if must_reset else info
 
     def partial_batch(self, ids: list[int], rows: list[tuple[Any, ...]]) -> StepBatch:
         """The batch of some envs' received steps, ``infos["env_id"]`` naming them."""
