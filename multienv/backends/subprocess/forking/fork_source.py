@@ -98,11 +98,7 @@ def check_not_bootstrapping() -> None:
         MissingMainGuardError: The script starts envs at its top level.
     """
     if getattr(process.current_process(), "_inheriting", False):
-        raise MissingMainGuardError(
-            "multienv: your script starts envs at its top level, and that runs again in "
-            "every process that imports the script to fork workers from it: move that "
-            'under `if __name__ == "__main__":`.'
-        )
+        raise guard_missing_error("run again as a process that forks workers imports it")
 
 
 def starts_envs_at(failure: BaseException, main_path: str) -> str:
