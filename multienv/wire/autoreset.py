@@ -124,24 +124,22 @@ class Autoreset:
 
     def check_can_step(self, env_ids: Any) -> None:
         """Raise before anything is sent if stepping these envs now is misuse."""
-        if not self.is_started:
-            never = np.flatnonzero(self._never_reset[env_ids])
-            if never.size:
-                env_index = int(np.arange(len(self._never_reset))[env_ids][never[0]])
-                raise ResetNeededError(
-                    f"env {env_index}: step() before the env's first reset(); call "
-                    "envs.reset(seed=...) first.",
-                    env_index=env_index,
-                )
-        if self.mode is AutoresetMode.DISABLED:
-            ended = np.flatnonzero(self.needs_reset[env_ids])
-            if ended.size:
-                env_index = int(np.arange(len(self.needs_reset))[env_ids][ended[0]])
-                raise EnvStateError(
-                    f"env {env_index}: step() after its episode ended, with autoreset "
-                    "disabled; reset it first, e.g. reset(options={'reset_mask': mask}).",
-                    env_index=env_index,
-                )
+        never = None if self.is_started else _first_set(self._never_reset, env_ids)
+        if never is not None:
+            raise ResetNeededError(
+                f"env {never}: step() before the env's first reset(); call "
+                "envs.reset(seed=...) first.",
+                env_index=never,
+            )
+        ended = (
+            _first_set(self.needs_reset, env_ids) if self.mode is AutoresetMode.DISABLED else None
+        )
+        if ended is not None:
+            raise EnvStateError(
+                f"env {ended}: step() after its episode ended, with autoreset "
+                "disabled; reset it first, e.g. reset(options={'reset_mask': mask}).",
+                env_index=ended,
+            )
 
     def resets(self, env_ids: Any) -> np.ndarray:
         """Which of ``env_ids`` this step resets instead of stepping (NEXT_STEP only)."""
@@ -178,3 +176,9 @@ class Autoreset:
         if extra.reset is None:  # a crash: the worker could not reset in the same trip
             return extra.info, True
         return same_step_info(extra.obs, extra.info, extra.reset[1]), False
+
+
+def _first_set(flags: np.ndarray, env_ids: Any) -> int | None:
+    """The first env of ``env_ids`` (indices or a slice) whose flag is set; None if none."""
+    found = np.flatnonzero(flags[env_ids])
+    return int(np.arange(len(flags))[env_ids][found[0]]) if found.size else None
