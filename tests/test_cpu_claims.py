@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -116,6 +117,21 @@ def test_close_releases_the_claims_and_a_respawn_keeps_them():
         assert all(try_claim(cpu) is None for cpu in CPUS)
     claims = [try_claim(cpu) for cpu in CPUS]
     assert all(claim is not None for claim in claims)
+    for claim in claims:
+        assert claim is not None
+        claim.release()
+
+
+def test_a_vector_that_fails_to_build_frees_its_cpus_at_once():
+    unpicklable = threading.Lock()
+
+    def make_env():
+        return ThreadProbe() if unpicklable else None
+
+    with pytest.raises(TypeError):
+        MultiEnv([ThreadProbe] * (len(CPUS) - 1) + [make_env])
+    claims = [try_claim(cpu) for cpu in CPUS]
+    assert None not in claims
     for claim in claims:
         assert claim is not None
         claim.release()

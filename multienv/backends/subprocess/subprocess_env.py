@@ -244,6 +244,7 @@ def _supervise(
     worker's CPU, as its vector planned it; a lone worker with ``pin_cpu=True`` claims one.
     """
     preload_names = _checked_preload(preload, f"env {first_env_index}")
+    # Checked before a lone worker claims its CPU, which a bad option would leave held.
     settings = WorkerSettings.decide(blas_threads, None, first_env_index, wait=wait)
     if pin is None and pin_cpu:
         pin = plan_pins(True, 1)[0]
@@ -313,14 +314,20 @@ def create_subprocess_envs(
         pin = pins[first // envs_per_worker] if pins else None
         return _supervise(fns, first, parent_spin=parent_spin, pin=pin, **options)
 
-    envs = create_envs(
-        env_fns,
-        envs_per_worker,
-        supervise_worker,
-        SubprocessEnv,
-        "create_subprocess_envs",
-        before_start=(lambda: _start_module_server(env_fns[0], options)) if probe else None,
-    )
+    try:
+        envs = create_envs(
+            env_fns,
+            envs_per_worker,
+            supervise_worker,
+            SubprocessEnv,
+            "create_subprocess_envs",
+            before_start=(lambda: _start_module_server(env_fns[0], options)) if probe else None,
+        )
+    except BaseException:
+        for pin in pins:  # the CPUs are free again at once, not when the error is collected
+            if pin is not None and pin.claim is not None:
+                pin.claim.release()
+        raise
     if _is_served(options):  # the next vector's workers need not wait for forks
         module_server.keep_spares(num_workers)
     return envs
