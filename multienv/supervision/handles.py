@@ -198,6 +198,9 @@ class SharedMemoryLink(VectorLink, Protocol):
         see ``info_columns.ColumnReader.merge``.
         """
 
+    def row_infos(self, env_ids: np.ndarray) -> dict[int, dict[str, Any]]:
+        """The infos in the rows of envs ``env_ids`` (whose workers answered), by env."""
+
     def open_data_plane(self, vector: VectorParts) -> DataPlane | None:
         """The vector's healthy step in one pass, or None if the link has none for it."""
 
@@ -241,6 +244,37 @@ class DataPlane(Protocol):
 
     def interrupt(self) -> None:
         """An exception stopped the step in flight: hand it over to the supervisors."""
+
+    def open_parts(self) -> PartsPlane:
+        """The same workers' ``send``/``recv`` of whole workers in one pass."""
+
+
+class PartsPlane(Protocol):
+    """A vector's healthy ``send``/``recv`` of whole workers (``InFlight`` tries it first)."""
+
+    sent: int
+
+    def is_busy(self) -> bool:
+        """Whether any worker is in flight here, or done and not yet returned."""
+
+    def num_busy(self) -> int:
+        """How many envs are in flight here, or done and not yet returned."""
+
+    def env_ids(self) -> list[int]:
+        """The envs in flight here or done and not yet returned, ascending."""
+
+    def send(self, actions: Any, env_ids: Any) -> bool:
+        """Step every env of some workers; False, sending nothing, if it cannot go this way."""
+
+    def receive(self, size: int, timeout: float | None) -> StepBatch | dict[int, Any]:
+        """The first ``size`` envs to finish, ascending; or every worker, handed over."""
+
+    def hand_over(self) -> dict[int, Any]:
+        """Give every worker here to its supervisor; by worker, what the control plane gets.
+
+        That is its part of a planned step, which its supervisor took in flight, or its
+        outcome, ``(result, errors by env)``, if it was collected already.
+        """
 
 
 class OpenLink(Protocol):

@@ -164,7 +164,11 @@ class Assembly:
         return batch, errors
 
     def receive(
-        self, outcome: ByWorker, flying: dict[int, list[int]], received: dict[int, tuple[Any, ...]]
+        self,
+        outcome: ByWorker,
+        flying: dict[int, list[int]],
+        received: dict[int, tuple[Any, ...]],
+        plans: dict[int, StepPlan],
     ) -> dict[int, BaseException]:
         """File collected workers' envs under ``received``, in the order they came in.
 
@@ -172,21 +176,52 @@ class Assembly:
             outcome: The collected workers' results.
             flying: Per worker number, the envs sent to it; the collected ones are removed.
             received: By env index, (reward, terminated, truncated, info) not yet returned.
+            plans: Per worker number, the planned step whose part it took (a part the parts
+                plane handed over); the collected ones are removed.
         """
         errors: dict[int, BaseException] = {}
         for number, (result, group_errors) in outcome.items():
             ids = flying.pop(number)
+            plan = plans.pop(number, None)
             errors.update(group_errors)
             if result is None:
+                if plan is not None and not group_errors:  # all of it in shared memory
+                    self._receive_part(plan, ids, received)
                 continue
             self.autoreset.after_step(ids, result.terminated, result.truncated)
+            rows = self._row_infos(ids) if result.info_columns else {}
             for item, env_index in enumerate(ids):
                 if env_index in group_errors:
                     continue
                 info = self._file_env(result, item, env_index)
+                if env_index in rows:
+                    info = {**rows[env_index], **info}
                 terminated, truncated = bool(result.terminated[item]), bool(result.truncated[item])
                 received[env_index] = (float(result.rewards[item]), terminated, truncated, info)
         return errors
+
+    def _receive_part(
+        self, plan: StepPlan, ids: list[int], received: dict[int, tuple[Any, ...]]
+    ) -> None:
+        """File a worker's clean part of a planned step (its envs ``ids``, a run)."""
+        index = slice(ids[0], ids[-1] + 1)
+        self._commit(plan, index)
+        rows = self._row_infos(ids)
+        rewards = self._rewards[index].tolist()
+        terminated = self._terminations[index].tolist()
+        truncated = self._truncations[index].tolist()
+        for item, env_index in enumerate(ids):
+            received[env_index] = (
+                rewards[item],
+                terminated[item],
+                truncated[item],
+                rows.get(env_index, {}),
+            )
+
+    def _row_infos(self, ids: list[int]) -> dict[int, dict[str, Any]]:
+        """The infos in the rows of envs ``ids``, by env (their worker answered a plan)."""
+        assert self.shared_link is not None
+        return self.shared_link.row_infos(np.asarray(ids, dtype=np.intp))
 
     def _file_env(self, result: BatchResult, item: int, env_index: int) -> dict[str, Any]:
         """One env's part of its worker's step: keep its observation, return its info.

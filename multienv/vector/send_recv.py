@@ -4,6 +4,10 @@
 The envs of one worker travel together, so a worker is either idle or stepping one batch.
 ``InFlight`` keeps, per worker, the envs it is stepping and, per env, the results collected
 but not yet returned. ``SendRecvApi`` holds the two methods (``MultiEnv`` inherits them).
+
+A vector with a data plane sends and receives whole workers on its parts plane
+(``parts_plane``) first; anything else, and anything unusual there, goes the way described
+here, the parts plane's workers handed over to it.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 
 from multienv.errors import EnvStateError, WaitTimeoutError
+from multienv.supervision.handles import PartsPlane
 from multienv.vector import vector_checks
 from multienv.vector.assembly import Assembly, StepBatch
 from multienv.vector.fan_out import FanOut, finish, raise_first
 from multienv.wire.autoreset import Autoreset
-from multienv.wire.protocol import Batch
+from multienv.wire.protocol import Batch, StepPlan
 
 
 class SendRecvApi:
@@ -30,6 +35,7 @@ class SendRecvApi:
         closed: bool
         num_envs: int
         _pending: Any
+        _pending_reset: Any
         _in_flight: InFlight
         _autoreset: Autoreset
 
@@ -62,6 +68,8 @@ class SendRecvApi:
             raise ClosedEnvironmentError("MultiEnv.send() called after close().")
         if self._pending is not None:
             raise EnvStateError("MultiEnv.send() called while a step_async() is pending.")
+        if self._pending_reset is None and self._in_flight.send_parts(actions, env_ids):
+            return  # whole workers, in one pass (``parts_plane``)
         ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, self._in_flight.env_ids())
         batch_actions = self._split_actions(actions, ids)
         self._autoreset.check_can_step(ids)
@@ -93,6 +101,9 @@ class InFlight:
         fan_out: The vector's workers and their multi-wait.
         assembly: Files collected results and assembles the returned batch.
         autoreset: The vector's autoreset state.
+
+    Attributes:
+        parts: The vector's parts plane, tried first; None if it has none.
     """
 
     def __init__(self, fan_out: FanOut, assembly: Assembly, autoreset: Autoreset) -> None:
@@ -103,14 +114,53 @@ class InFlight:
         self._worker_of = {e: n for n, group in enumerate(fan_out.groups) for e in group.env_ids}
         self._flying: dict[int, list[int]] = {}  # by worker number: the envs it steps
         self._received: dict[int, tuple[Any, ...]] = {}  # by env: collected, not returned
+        self._plans: dict[int, StepPlan] = {}  # by worker number: a part handed over
+        self.parts: PartsPlane | None = None
 
     def is_busy(self) -> bool:
         """Whether any env is in flight, or collected and not yet returned."""
-        return bool(self._flying or self._received)
+        return bool(self._flying or self._received) or (
+            self.parts is not None and self.parts.is_busy()
+        )
 
     def env_ids(self) -> list[int]:
         """Every env in flight or collected and not yet returned, ascending."""
-        return sorted([*self._received, *(i for ids in self._flying.values() for i in ids)])
+        ids = [*self._received, *(i for ids in self._flying.values() for i in ids)]
+        if self.parts is not None:
+            ids += self.parts.env_ids()
+        return sorted(ids)
+
+    def send_parts(self, actions: Any, env_ids: Any) -> bool:
+        """Send whole workers on the parts plane; False if they go the general way.
+
+        Whatever the parts plane has in flight then goes the general way too.
+        """
+        parts = self.parts
+        if parts is None or self._flying or self._received:
+            return False
+        if parts.send(actions, env_ids):
+            return True
+        self._adopt(parts.hand_over())
+        return False
+
+    def _adopt(self, handed: dict[int, Any]) -> None:
+        """Collect the parts plane's workers here; raise the first env's error, if any.
+
+        Each gives its part of a planned step, or its outcome when its supervisor
+        collected it already (filed at once).
+        """
+        errors: dict[int, BaseException] = {}
+        for number, part in sorted(handed.items()):
+            self._flying[number] = list(self._fan_out.groups[number].env_ids)
+            if isinstance(part, StepPlan):
+                self._plans[number] = part
+            else:
+                outcome = {number: part}
+                errors.update(
+                    self._assembly.receive(outcome, self._flying, self._received, self._plans)
+                )
+        if errors:
+            raise_first(errors)
 
     def send(self, ids: list[int], actions: Any) -> None:
         """Submit each worker's share of ``ids`` (checked, none in flight) as one batch."""
@@ -139,7 +189,10 @@ class InFlight:
 
     def recv(self, batch_size: int | None, timeout: float | None) -> StepBatch:
         """The first ``batch_size`` envs to finish (all in flight when None), ascending."""
+        parts = self.parts
         in_flight = len(self._received) + sum(len(ids) for ids in self._flying.values())
+        if parts is not None:
+            in_flight += parts.num_busy()
         if not in_flight:
             raise EnvStateError("MultiEnv.recv() called with no env in flight; call send() first.")
         size = in_flight if batch_size is None else batch_size
@@ -149,6 +202,15 @@ class InFlight:
                 f"batch_size from 1 to {in_flight}, or None for all."
             )
         deadline = None if timeout is None else time.monotonic() + timeout
+        if parts is not None and parts.is_busy():
+            if self._flying or self._received:
+                self._adopt(parts.hand_over())
+            else:
+                batch = parts.receive(size, timeout)
+                if type(batch) is tuple:
+                    return batch
+                assert isinstance(batch, dict)
+                self._adopt(batch)  # (raises an env's error, the others' steps kept)
         while len(self._received) < size:
             flying = sorted(self._flying)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -160,7 +222,7 @@ class InFlight:
                 )
             groups = self._fan_out.groups
             collected = {flying[k]: finish(groups[flying[k]]) for k in ready}
-            errors = self._assembly.receive(collected, self._flying, self._received)
+            errors = self._assembly.receive(collected, self._flying, self._received, self._plans)
             if errors:
                 raise_first(errors)
         ids = sorted(list(self._received)[:size])

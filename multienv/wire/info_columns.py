@@ -293,6 +293,19 @@ class ColumnReader:
                 infos[f"_{key}"][rows] = True
         return infos
 
+    def row_infos(self, env_ids: np.ndarray) -> dict[int, dict[str, Any]]:
+        """The info in each row of envs ``env_ids`` as a dict, by env; envs with none left out.
+
+        Only envs whose workers answered the step may be in ``env_ids``, as for ``merge``.
+        """
+        global_ids = self._table[self._worker_of_env[env_ids], self._ids[env_ids]]
+        infos = {}
+        for env_index, global_id in zip(env_ids.tolist(), global_ids.tolist(), strict=True):
+            known = self._known[global_id] if global_id > 0 else None
+            if known is not None:
+                infos[env_index] = self._row_info(known, env_index)
+        return infos
+
     def _whole_schema(self) -> _Known | None:
         """The schema of every env's row, if they all have the same one; else None.
 

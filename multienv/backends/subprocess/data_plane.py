@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from multienv.backends.subprocess.parts_plane import PartsPlane
 from multienv.backends.subprocess.process_handle import ProcessHandle
 from multienv.supervision.handles import StepBatch, VectorParts
 from multienv.wire.framing import (
@@ -72,6 +73,7 @@ class DataPlane:
         self._done_read, self._quiet_read, self._tokens_write, _ = shared.done.pipes()
         num_workers, num_envs = len(supervisors), shared.num_envs
         self._shared = shared
+        self._vector = vector
         self._supervisors = list(supervisors)
         self._env_slices = list(env_slices)
         self._autoreset = autoreset
@@ -89,6 +91,7 @@ class DataPlane:
         for supervisor in supervisors:
             supervisor.changes = self._changes
         self._checked = -1  # the change count when the workers were last checked
+        self._is_parts = False  # send()/recv() of some workers went by since (``parts_plane``)
         self._tokens = bytes(num_workers - 1)  # none for a lone worker: it wakes the parent
         self._frame = PLANNED_FRAMES[num_workers > 1]
         self._records_bytes = 4 * num_workers + 64  # more than a step's records
@@ -140,7 +143,7 @@ class DataPlane:
         The caller then steps by the general path, which checks what is not as usual and
         says what is wrong with the actions, naming the env.
         """
-        if self._changes[0] != self._checked and not self._check():
+        if (self._changes[0] != self._checked or self._is_parts) and not self._check():
             return False
         slot = self._shared.same_slot
         if (
@@ -237,14 +240,65 @@ class DataPlane:
         latencies.values[latencies.count % latencies.size] = time.perf_counter() - self._sent_at
         latencies.count += 1
         if self._is_unthanked:
-            self._is_unthanked = False
-            for supervisor in self._supervisors:
-                supervisor.note_success()
+            self.thank_workers()
         return observations, rewards, flags[0], flags[1], infos
 
     def is_in_flight(self) -> bool:
         """Whether a step was sent and not yet received."""
         return self._actions_sent is not None
+
+    def open_parts(self) -> PartsPlane:
+        """The same workers' ``send``/``recv`` of whole workers in one pass (``parts_plane``)."""
+        return PartsPlane(self, self._shared, self._vector)
+
+    def enter_parts(self) -> bool:
+        """Ready the workers for ``send``/``recv`` on the parts plane; False if they are not.
+
+        Every worker must be idle: the parts plane calls it when none of its own is in
+        flight. The counts held back are written and ``needs_reset`` brought up to date, as
+        the parts plane keeps both itself from then on; the next ``send`` checks again.
+        """
+        if self._actions_sent is not None:
+            return False
+        if self._changes[0] != self._checked and not self._check():
+            return False
+        if not self._is_parts:
+            self._flush_counts()
+            self._sync_resets()
+            self._is_parts = True
+        return True
+
+    @property
+    def wake_fds(self) -> list[int]:
+        """Each worker's pipe, which one byte wakes (valid after a check)."""
+        return self._wake_fds
+
+    @property
+    def timeouts(self) -> np.ndarray | None:
+        """Per worker, its step and reset timeouts (s; inf: none); None if no worker has one."""
+        return self._timeouts
+
+    def thank_workers(self) -> None:
+        """A step after the check came back clean: each worker's restart ledger hears it."""
+        self._is_unthanked = False
+        for supervisor in self._supervisors:
+            supervisor.note_success()
+
+    def is_unthanked(self) -> bool:
+        """Whether no step since the check has told the restart ledgers yet."""
+        return self._is_unthanked
+
+    def poll_until(self, wake_at: float | None) -> list[tuple[int, int]]:
+        """Poll the done pipe and the sentinels until one fires or ``wake_at`` (monotonic)."""
+        if self._spin_s:
+            events: list[tuple[int, int]] = poll_hot(self._poll, self._spin_s)
+            if events:
+                return events
+        if wake_at is None:
+            events = self._poll()
+        else:
+            events = self._poll(max(0, math.ceil((wake_at - time.monotonic()) * 1000)))
+        return events
 
     def interrupt(self) -> None:
         """An exception stopped the step in flight: the control plane owns it from now on.
@@ -302,6 +356,7 @@ class DataPlane:
         self._last_flags = self._flags.tobytes()
         self._resets_held[:] = needs_reset
         self._is_unthanked = True
+        self._is_parts = False
         self._checked = self._changes[0]
         return True
 
@@ -355,19 +410,11 @@ class DataPlane:
 
     def _wait(self, timeout: float | None) -> list[tuple[int, int]]:
         """Poll the done pipe and the sentinels until one fires, the deadline or ``timeout``."""
-        if self._spin_s:
-            events: list[tuple[int, int]] = poll_hot(self._poll, self._spin_s)
-            if events:
-                return events
         wake_at = self._deadline
         if timeout is not None:
             until = time.monotonic() + timeout
             wake_at = until if wake_at is None else min(wake_at, until)
-        if wake_at is None:
-            events = self._poll()
-        else:
-            events = self._poll(max(0, math.ceil((wake_at - time.monotonic()) * 1000)))
-        return events
+        return self.poll_until(wake_at)
 
     def _is_late(self) -> bool:
         deadline = self._deadline

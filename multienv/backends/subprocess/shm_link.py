@@ -196,6 +196,11 @@ class SubprocessLink:
         assert self._shared is not None
         return self._shared.infos.merge(pickled, fresh, add_info)
 
+    def row_infos(self, env_ids: np.ndarray) -> dict[int, dict[str, Any]]:
+        """The infos in the rows of envs ``env_ids`` (whose workers answered), by env."""
+        assert self._shared is not None
+        return self._shared.infos.row_infos(env_ids)
+
     def close(self) -> None:
         """Free the shared memory; the handles forget it."""
         for handle in self._handles:

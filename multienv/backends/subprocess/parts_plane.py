@@ -1,0 +1,456 @@
+"""PARENT SIDE, subprocess backend: ``send``/``recv`` of whole workers, in one pass each.
+
+EnvPool's asynchronous pattern (send some envs, receive the first to finish) on the data
+plane's shared memory and pipes (``data_plane``), for a vector whose workers are as its
+last check left them::
+
+    send   actions, item flags  -> the sent envs' rows of shared memory, one numpy write each
+           the sent workers' seqs -> each one on, one array operation
+           one wake-up per sent worker (the PLANNED_STEP byte, uncounted: each answers alone)
+    recv   one poll             <- the done pipe, every worker's death sentinel, the deadline
+           the records read as one array; the first workers to finish taken whole; their
+           rewards, flags, observations, infos and counts read as arrays
+
+Only whole workers travel this way: ``send`` of every env of some workers (any order), and
+``recv`` of a batch that the first workers to finish fill exactly. Everything else is
+handed over to the control plane: ``send`` declines, before it writes anything, what it
+cannot send (a worker split, an env in flight, actions of another dtype; the vector's
+checks then say what is wrong); ``recv`` hands every worker in flight over when a worker
+dies, passes its deadline, answers with a message (an env error, an info with a new key,
+a same-step reset's final observation) or would have to be split. Each supervisor then
+takes its worker's part as a planned step (``WorkerSupervisor.take_planned``), and the
+vector's ``InFlight`` collects it like any batch it sent.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from gymnasium.vector import AutoresetMode
+
+from multienv.errors import WaitTimeoutError
+from multienv.wire.framing import (
+    DONE_OK,
+    DONE_RECORD,
+    DONE_REPLY,
+    IS_AUTORESET,
+    IS_INFO_COLUMNS,
+    IS_NEXT_STEP,
+    IS_SLOT_1,
+    PLANNED_FRAMES,
+)
+from multienv.wire.protocol import BatchResult, Outcome, StepPlan
+
+if TYPE_CHECKING:
+    from multienv.backends.subprocess.data_plane import DataPlane
+    from multienv.supervision.handles import StepBatch, VectorParts
+    from multienv.wire.shared_memory import SharedBatch
+
+# DONE_RECORD ("<HBB") read as one array: worker number, seq, kind.
+_RECORDS = np.dtype([("worker", "<u2"), ("seq", "u1"), ("kind", "u1")])
+_RECORDS_BYTES = 4 * 16384  # whole records: a record is written atomically
+_WAKE = PLANNED_FRAMES[False]
+# A worker's outcome as its supervisor's ``finish`` gives it, errors by env index.
+Collected = tuple[BatchResult | None, dict[int, BaseException]]
+# What the control plane gets of each worker here: its part in flight, or its outcome.
+Handed = StepPlan | Collected
+
+
+class PartsPlane:
+    """``send``/``recv`` of whole workers of a vector with a data plane.
+
+    Args:
+        plane: The vector's data plane: it checks the workers and holds their fds.
+        shared: The vector's shared batch.
+        vector: The vector's workers and the state it keeps (``VectorParts``).
+    """
+
+    def __init__(self, plane: DataPlane, shared: SharedBatch, vector: VectorParts) -> None:
+        """Nothing in flight."""
+        self._plane = plane
+        self._shared = shared
+        self._supervisors = list(vector.supervisors)
+        self._env_slices = list(vector.env_slices)
+        self._autoreset = vector.autoreset
+        self._counters = vector.counters
+        self._add_info = vector.add_info
+        num_workers, num_envs = len(self._supervisors), shared.num_envs
+        self._done_read = shared.done.pipes()[0]
+        self._starts = np.array([part.start for part in self._env_slices], dtype=np.intp)
+        self._sizes = np.array([part.stop - part.start for part in self._env_slices], np.int64)
+        self._worker_of = np.repeat(np.arange(num_workers), self._sizes)
+        self._seqs = shared.done.seqs[:num_workers]  # each worker's seq, as the workers read
+        mode = vector.autoreset.mode
+        self._is_next_step = mode is AutoresetMode.NEXT_STEP
+        self._is_disabled = mode is AutoresetMode.DISABLED
+        self._is_same_step = mode is AutoresetMode.SAME_STEP
+        common = IS_INFO_COLUMNS | (
+            IS_AUTORESET if self._is_same_step else IS_NEXT_STEP if self._is_next_step else 0
+        )
+        self._flag_of_slot = np.array([common, common | IS_SLOT_1], dtype=np.uint8)
+        assert shared.actions is not None  # a data plane's vector has array actions
+        self._actions = shared.actions
+        self._action_shape = shared.actions.shape[1:]
+        self._action_dtype = shared.actions.dtype
+        self._plan_flags = shared.plan_flags
+        self._obs_slots = shared.obs_slots
+        # By worker: stepping (sent, no record read), done (its record read, not returned),
+        # when each was sent, its deadline, and the order the done ones finished in.
+        self._flying = np.zeros(num_workers, dtype=np.bool_)
+        self._done = np.zeros(num_workers, dtype=np.bool_)
+        self._sent_at = np.zeros(num_workers)
+        self._deadlines = np.full(num_workers, np.inf)
+        self._finished = np.zeros(num_workers, dtype=np.int64)
+        self._finish_count = 0
+        # By env, for the step in flight: its observation's slot, and whether it resets.
+        self._targets = np.zeros(num_envs, dtype=np.int8)
+        self._resets = np.zeros(num_envs, dtype=np.bool_)
+        # Done workers whose messages their supervisors read (and counted), and the infos.
+        self._counted = np.zeros(num_workers, dtype=np.bool_)
+        self._pickled: dict[int, dict[str, Any]] = {}
+        self.sent = 0  # batches of workers sent this way
+
+    def is_busy(self) -> bool:
+        """Whether any worker is in flight here, or done and not yet returned."""
+        return bool(self._flying.any() or self._done.any())
+
+    def num_busy(self) -> int:
+        """How many envs are in flight here, or done and not yet returned."""
+        return int(self._sizes[self._flying | self._done].sum())
+
+    def env_ids(self) -> list[int]:
+        """The envs in flight here or done and not yet returned, ascending."""
+        busy = self._flying | self._done
+        return np.flatnonzero(busy[self._worker_of]).tolist()
+
+    def send(self, actions: Any, env_ids: Any) -> bool:
+        """Step every env of some workers; False, sending nothing, if it cannot go this way.
+
+        Args:
+            actions: One action per env of ``env_ids``, in that order.
+            env_ids: The envs to step: all of some workers, in any order; None for all.
+        """
+        num_envs = len(self._worker_of)
+        if env_ids is None:
+            ids = np.arange(num_envs)
+        else:
+            ids = env_ids if type(env_ids) is np.ndarray else np.asarray(env_ids)
+            if ids.dtype.kind not in "iu" or ids.ndim != 1:
+                return False  # (bools, floats: the vector's checks say what is wrong)
+        if (
+            type(actions) is not np.ndarray
+            or actions.dtype != self._action_dtype
+            or actions.shape != (len(ids), *self._action_shape)
+            or not len(ids)
+            or int(ids.min()) < 0
+            or int(ids.max()) >= num_envs
+        ):
+            return False
+        sent = np.zeros(num_envs, dtype=np.bool_)
+        sent[ids] = True
+        workers = np.logical_and.reduceat(sent, self._starts)
+        if (
+            np.count_nonzero(sent) != len(ids)  # an env twice
+            or (workers != np.logical_or.reduceat(sent, self._starts)).any()  # split
+            or (workers & (self._flying | self._done)).any()
+        ):
+            return False
+        if not self.is_busy() and not self._plane.enter_parts():
+            return False
+        needs_reset = self._autoreset.needs_reset_array
+        if self._is_disabled and needs_reset[ids].any():
+            return False  # the vector's checks say which env must be reset first
+        targets = 1 - self._shared.slot[ids]
+        self._actions[ids] = actions  # a reset's action is not read
+        self._plan_flags[ids] = self._flag_of_slot[targets]
+        self._targets[ids] = targets
+        if self._is_next_step:  # the worker resets an env whose last step ended
+            self._resets[ids] = needs_reset[ids]
+        self._seqs[workers] = self._seqs[workers] % 255 + 1
+        now = time.perf_counter()
+        self._sent_at[workers] = now
+        timeouts = self._plane.timeouts
+        if timeouts is not None:
+            self._deadlines[workers] = self._deadline_after(now, workers, timeouts)
+        self._flying |= workers
+        self.sent += 1
+        wake_fds = self._plane.wake_fds
+        numbers = np.flatnonzero(workers).tolist()
+        woken = 0
+        try:
+            for number in numbers:
+                try:
+                    os.write(wake_fds[number], _WAKE)
+                except OSError:
+                    pass  # a dead worker: its sentinel ends the wait
+                woken += 1
+        except BaseException:
+            # Ctrl-C among the wake-ups: wake the rest (a worker runs a seq once, however
+            # often it is woken for it); ``recv`` finds them in flight as usual.
+            for number in numbers[woken:]:
+                try:
+                    os.write(wake_fds[number], _WAKE)
+                except OSError:
+                    pass
+            raise
+        return True
+
+    def receive(self, size: int, timeout: float | None) -> StepBatch | dict[int, Handed]:
+        """The first ``size`` envs to finish, ascending; or every worker, handed over.
+
+        Returns:
+            The batch; or, when something is not as usual, what ``hand_over`` returns, with
+            the worker that was collected already given as its outcome.
+
+        Raises:
+            WaitTimeoutError: ``timeout`` passed first; every step stays in flight.
+        """
+        until = None if timeout is None else time.monotonic() + timeout
+        sizes = self._sizes
+        while int(sizes[self._done].sum()) < size:
+            wake_at = until
+            if self._plane.timeouts is not None:
+                deadline = float(self._deadlines[self._flying].min())
+                if deadline != np.inf:
+                    late = time.monotonic() + (deadline - time.perf_counter())
+                    wake_at = late if wake_at is None else min(wake_at, late)
+            events = self._plane.poll_until(wake_at)
+            if not events:
+                if self._is_late():
+                    return self._hand_over_all()
+                if until is not None and time.monotonic() >= until:
+                    ready = int(sizes[self._done].sum())
+                    raise WaitTimeoutError(
+                        f"recv() timed out after {timeout} s with {ready} of the {size} envs "
+                        "ready; every step is still in flight, call recv() again."
+                    )
+                continue
+            if len(events) != 1 or events[0][0] != self._done_read:
+                return self._hand_over_all()  # a worker died
+            records = np.frombuffer(os.read(self._done_read, _RECORDS_BYTES), dtype=_RECORDS)
+            numbers = records["worker"].astype(np.intp)
+            awaited = self._flying[numbers] & (records["seq"] == self._seqs[numbers])
+            kinds = records["kind"][awaited]
+            numbers = numbers[awaited]
+            self._note_done(numbers[kinds == DONE_OK])
+            replies = numbers[kinds != DONE_OK].tolist()
+            while replies:  # answered with a message too: its supervisor reads it
+                collected = self._collect_reply(replies.pop())
+                if collected is not None:
+                    return self._hand_over_all(collected)
+                replies += self._drained_by_control_plane()
+        done = np.flatnonzero(self._done)
+        first = done[np.argsort(self._finished[done], kind="stable")]
+        filled = np.cumsum(sizes[first])
+        count = int(np.searchsorted(filled, size)) + 1
+        if int(filled[count - 1]) != size:  # the batch would split a worker
+            return self._hand_over_all()
+        return self._take(first[:count])
+
+    def hand_over(self) -> dict[int, Handed]:
+        """Give every worker here to its supervisor, as a planned step's part; by worker."""
+        return self._hand_over_all()
+
+    # ----------------------------------------------------------------- off the healthy path
+
+    def _take(self, numbers: np.ndarray) -> StepBatch:
+        """Return the steps of these done workers, each whole, in env order."""
+        chosen = np.zeros(len(self._done), dtype=np.bool_)
+        chosen[numbers] = True
+        ids = np.flatnonzero(chosen[self._worker_of])
+        self._done[numbers] = False
+        shared = self._shared
+        targets = self._targets[ids]
+        shared.move_to(ids, targets)
+        rewards = shared.rewards[ids]
+        flags = shared.flags[:, ids]
+        ended = flags[0] | flags[1]
+        if self._is_next_step or self._is_disabled:
+            self._autoreset.needs_reset_array[ids] = ended
+        if self._counted[numbers].any():  # their supervisors counted them (``_collect_reply``)
+            uncounted = ~self._counted[self._worker_of[ids]]
+            self._counted[numbers] = False
+            self._count(ids[uncounted], ended[uncounted])
+        else:
+            self._count(ids, ended)
+        if self._obs_slots is not None:
+            observations = self._obs_slots[targets, ids]
+        else:
+            observations = shared.observations(ids.tolist(), copy=True)
+        pickled = {}
+        if self._pickled:
+            pickled = {i: self._pickled.pop(i) for i in ids.tolist() if i in self._pickled}
+        infos = _rows(shared.infos.merge(pickled, ids, self._add_info), ids)
+        infos["env_id"] = ids.astype(np.int64)
+        latencies = self._counters.latencies
+        for elapsed in (time.perf_counter() - self._sent_at[numbers]).tolist():
+            latencies.values[latencies.count % latencies.size] = elapsed
+            latencies.count += 1
+        if self._plane.is_unthanked():
+            self._plane.thank_workers()
+        return observations, rewards, flags[0], flags[1], infos
+
+    def _note_done(self, numbers: np.ndarray) -> None:
+        """These workers' records say all their results are in shared memory."""
+        self._flying[numbers] = False
+        self._done[numbers] = True
+        self._finished[numbers] = np.arange(len(numbers)) + self._finish_count
+        self._finish_count += len(numbers)
+
+    def _collect_reply(self, number: int) -> dict[int, Collected] | None:
+        """Have the worker's supervisor read its message; None if the worker stays here.
+
+        It stays, done, when its message holds only infos (new keys, pickled ones, a
+        same-step reset's final observation): they wait for ``_take`` in ``_pickled``, and
+        its supervisor has counted its steps. An env's error, a death after the record (the
+        supervisor respawns and replays it) or anything else: its outcome, collected.
+        """
+        supervisor, env_slice = self._supervisors[number], self._env_slices[number]
+        restarts = supervisor.stats.restarts
+        self._take_planned(number, self._plan())
+        seq = int(self._seqs[number])
+        self._shared.done.note_records(DONE_RECORD.pack(number, seq, DONE_REPLY))
+        env_ids = range(env_slice.start, env_slice.stop)
+        try:
+            result, errors = supervisor.finish()
+        except Exception as exc:  # noqa: BLE001 - raised by the caller, as the pool's are
+            lost: dict[int, BaseException] = dict.fromkeys(env_ids, exc)
+            return {number: (None, lost)}
+        by_env: dict[int, BaseException] = {env_slice.start + i: e for i, e in errors.items()}
+        outcome = (result, by_env)
+        if errors or result is None or supervisor.stats.restarts != restarts:
+            return {number: outcome}
+        infos = {}
+        for item, extra in result.extras.items():
+            is_done = bool(result.terminated[item] or result.truncated[item])
+            info, must_reset = self._autoreset.step_info(extra, is_done)
+            if must_reset:
+                return {number: outcome}
+            infos[env_slice.start + item] = info
+        self._pickled.update(infos)
+        self._counted[number] = True
+        self._note_done(np.array([number]))
+        return None
+
+    def _drained_by_control_plane(self) -> list[int]:
+        """Workers whose records a supervisor's wait read: mark the done ones; the replies."""
+        done = self._shared.done
+        replies = []
+        seqs = self._seqs.tolist()
+        for number in np.flatnonzero(self._flying).tolist():
+            if done.done_seq[number] == seqs[number]:
+                done.done_seq[number] = 0
+                if done.done_kind[number] == DONE_OK:
+                    self._note_done(np.array([number]))
+                else:
+                    replies.append(number)
+        return replies
+
+    def _count(self, ids: np.ndarray, ended: np.ndarray) -> None:
+        """Count the steps and episodes of envs ``ids``; ``ended``: whose episodes ended."""
+        counters = self._counters
+        if self._is_next_step:
+            stepped = ~self._resets[ids]
+            counters.steps[ids] += stepped
+            counters.episodes[ids] += stepped & ended
+        else:
+            counters.steps[ids] += 1
+            counters.episodes[ids] += ended
+
+    def _deadline_after(self, sent_at: float, workers: np.ndarray, timeouts: np.ndarray) -> Any:
+        """When each sent worker is late: its envs' step and reset timeouts (inf: never)."""
+        resets = np.add.reduceat(self._resets, self._starts, dtype=np.int64)[workers]
+        steps = self._sizes[workers] - resets
+        with np.errstate(invalid="ignore"):  # inf * 0: no such item, no time for it
+            budgets = np.where(steps > 0, steps * timeouts[workers, 0], 0.0) + np.where(
+                resets > 0, resets * timeouts[workers, 1], 0.0
+            )
+        return sent_at + budgets
+
+    def _is_late(self) -> bool:
+        flying = self._flying
+        return bool(flying.any()) and float(self._deadlines[flying].min()) <= time.perf_counter()
+
+    def _plan(self) -> StepPlan:
+        """The planned step whose parts the workers here are stepping, for their supervisors."""
+        is_reset = self._resets.copy() if self._is_next_step else np.zeros_like(self._resets)
+        return StepPlan(
+            self._actions.copy(),
+            is_reset,
+            self._is_same_step,
+            self._targets.copy(),
+            int(np.count_nonzero(is_reset)),
+        )
+
+    def _take_planned(self, number: int, plan: StepPlan) -> None:
+        """The worker's supervisor and handle take its part of ``plan``, as sent."""
+        supervisor, env_slice = self._supervisors[number], self._env_slices[number]
+        deadline = supervisor.take_planned(plan, env_slice, float(self._sent_at[number]))
+        handle = supervisor.handle
+        handle.take_planned(plan, env_slice, deadline)  # type: ignore[attr-defined]
+
+    def _hand_over_all(self, collected: dict[int, Collected] | None = None) -> dict[int, Handed]:
+        """Give every worker here to the control plane: each supervisor takes its part.
+
+        ``collected``: a worker whose outcome its supervisor has collected already. The done
+        workers' records are written anew, so that their supervisors find them answered.
+        """
+        handed: dict[int, Handed] = dict(collected or {})
+        for number in handed:
+            self._flying[number] = self._done[number] = False
+        numbers = np.flatnonzero(self._flying | self._done).tolist()
+        seqs = self._seqs.tolist()
+        answered = b"".join(
+            DONE_RECORD.pack(number, seqs[number], DONE_OK)
+            for number in np.flatnonzero(self._done).tolist()
+        )
+        counted = [number for number in numbers if self._counted[number]]
+        self._flying[:] = False
+        self._done[:] = False
+        self._counted[:] = False
+        done = self._shared.done
+        done.forget_records()
+        if numbers:
+            plan = self._plan()
+            for number in numbers:
+                self._take_planned(number, plan)
+                handed[number] = plan
+        done.note_records(answered)
+        # A worker whose message its supervisor read is collected: its outcome is the
+        # shared memory and the infos kept here (counted already, by its supervisor).
+        for number in counted:
+            handed[number] = self._kept_outcome(number)
+        return handed
+
+    def _kept_outcome(self, number: int) -> Collected:
+        """A done worker whose message was read: its result, as ``collect`` would give it."""
+        supervisor = self._supervisors[number]
+        env_slice = self._env_slices[number]
+        supervisor.finish()  # the DONE_OK record written anew: it returns at once
+        shared = self._shared
+        shared.move_to(env_slice, self._targets[env_slice])
+        flags = shared.flags
+        result = BatchResult(
+            shared.rewards[env_slice].copy(),
+            flags[0, env_slice].copy(),
+            flags[1, env_slice].copy(),
+            None,
+            {},
+            info_columns=True,
+        )
+        for env_index in range(env_slice.start, env_slice.stop):
+            info = self._pickled.pop(env_index, None)
+            if info is not None:
+                result.extras[env_index - env_slice.start] = Outcome(info=info)
+        return result, {}
+
+
+def _rows(infos: dict[str, Any], ids: np.ndarray) -> dict[str, Any]:
+    """The rows ``ids`` of a vector's merged infos (arrays of every env), nested dicts too."""
+    return {
+        key: _rows(value, ids) if isinstance(value, dict) else value[ids]
+        for key, value in infos.items()
+    }

@@ -1,0 +1,218 @@
+"""The parts plane: send()/recv() of whole workers in one pass, and what it hands over."""
+
+import functools
+import os
+import signal
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+from multienv import EnvError, EnvStateError, MultiEnv
+from tests.envs import CountingEnv, DictObsEnv, HangOnStep, RaiseOnStep, SleepyEnv
+
+pytestmark = pytest.mark.timeout(120)
+
+MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP]
+
+
+def sent_on_parts(envs: MultiEnv) -> int:
+    """How many batches the vector's parts plane sent."""
+    parts = envs._in_flight.parts
+    assert parts is not None
+    return parts.sent
+
+
+def replay(fns, k, mode, rounds, seed, whole_only):
+    """Drive send/recv with random batch sizes and subsets; check each env against its own
+    Gymnasium loop. Returns the batches sent on the parts plane and the sends."""
+    n = len(fns)
+    loops = [SyncVectorEnv([fn], autoreset_mode=mode) for fn in fns]
+    for i, loop in enumerate(loops):
+        loop.reset(seed=i)
+    rng = np.random.default_rng(seed)
+    sends = 0
+    with MultiEnv(fns, envs_per_worker=k, autoreset_mode=mode) as envs:
+        envs.reset(seed=0)
+        space = envs.single_action_space
+        pending: dict[int, object] = {}
+        idle = list(range(n))
+        for _ in range(rounds):
+            busy = {env_index // k for env_index in pending}  # a worker steps one batch
+            free = [env_index for env_index in idle if env_index // k not in busy]
+            if free:
+                if whole_only:
+                    ids = np.array(free)
+                else:
+                    ids = rng.permutation(free)[: rng.integers(1, len(free) + 1)]
+                actions = np.stack([space.sample() for _ in ids])
+                envs.send(actions, ids)
+                sends += 1
+                pending.update(zip(ids.tolist(), actions, strict=True))
+                idle = [i for i in idle if i not in set(ids.tolist())]
+            if not pending:
+                continue
+            size = k * max(1, len(pending) // (2 * k)) if whole_only else None
+            if size is None:
+                size = int(rng.integers(1, len(pending) + 1))
+            obs, rewards, terminations, truncations, infos = envs.recv(batch_size=size)
+            ids = infos["env_id"].tolist()
+            assert ids == sorted(ids)
+            assert len(ids) == size
+            for row, env_index in enumerate(ids):
+                action = pending.pop(env_index)
+                want = loops[env_index].step(np.asarray([action]))
+                row_obs = {k: v[row] for k, v in obs.items()} if isinstance(obs, dict) else obs[row]
+                got = (row_obs, rewards[row], terminations[row], truncations[row])
+                if isinstance(want[0], dict):
+                    for key in want[0]:
+                        assert np.allclose(got[0][key], want[0][key][0]), (env_index, key)
+                else:
+                    assert np.allclose(got[0], want[0][0]), env_index
+                assert got[1:] == (want[1][0], want[2][0], want[3][0]), env_index
+                for key in ("count", "t"):
+                    if f"_{key}" in want[4] and want[4][f"_{key}"][0]:
+                        assert infos[key][row] == want[4][key][0], (env_index, key)
+                if mode is AutoresetMode.SAME_STEP and want[4].get("_final_obs", [False])[0]:
+                    assert infos["_final_obs"][row], env_index
+            idle += ids
+        if pending:
+            envs.recv()
+        carried = sent_on_parts(envs)
+        counts = envs.stats()
+    for loop in loops:
+        loop.close()
+    return carried, sends, counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fn", [functools.partial(gym.make, "CartPole-v1"), CountingEnv])
+def test_whole_workers_go_on_the_parts_plane_and_step_as_gymnasium_does(fn, mode):
+    carried, sends, _ = replay([fn] * 6, 2, mode, 120, seed=1, whole_only=True)
+    # Only the first sends, whose infos bring new keys, go back to the control plane.
+    assert carried >= sends - 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_any_subset_and_batch_size_mixes_both_planes_and_loses_nothing(mode):
+    fns = [CountingEnv] * 6
+    carried, sends, _ = replay(fns, 2, mode, 150, seed=2, whole_only=False)
+    assert 0 < carried < sends  # whole workers went one way, split ones the other
+
+
+def test_nested_observations_go_on_the_parts_plane():
+    carried, sends, _ = replay([DictObsEnv] * 4, 2, AutoresetMode.NEXT_STEP, 60, 3, True)
+    assert carried >= sends - 3
+
+
+def test_counts_follow_the_steps_and_episodes_of_the_parts_plane():
+    _, _, counts = replay([CountingEnv] * 4, 1, AutoresetMode.NEXT_STEP, 60, 4, True)
+    # Each env stepped as often as the loop (next-step resets are not steps).
+    for stats in counts:
+        assert stats["steps"] > 0
+        assert stats["episodes"] == (stats["steps"]) // 5
+
+
+def test_a_worker_killed_on_the_parts_plane_comes_back_as_a_flagged_truncation():
+    with MultiEnv([functools.partial(SleepyEnv, 0.2)] * 4, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        for _ in range(2):  # the first answer brings the info's keys
+            envs.send(ones)
+            envs.recv()
+        before = sent_on_parts(envs)
+        envs.send(ones)
+        assert sent_on_parts(envs) == before + 1
+        os.kill(envs.envs[0].pid, signal.SIGKILL)
+        obs, rewards, _, truncations, infos = envs.recv()
+        assert truncations.tolist() == [True, True, False, False]
+        assert rewards.tolist() == [0.0, 0.0, 1.0, 1.0]
+        assert infos["multienv"]["cause"][0] == "SIGKILL"
+        assert obs[:, 0].tolist() == [2.0, 2.0, 3.0, 3.0]
+        envs.send(ones)  # healthy again: whole workers go on the parts plane
+        assert envs.recv()[0][:, 0].tolist() == [0.0, 0.0, 4.0, 4.0]
+
+
+def test_a_worker_hung_on_the_parts_plane_is_killed_at_its_deadline():
+    fns = [CountingEnv] * 2 + [functools.partial(HangOnStep, at_count=3)] * 2
+    with MultiEnv(fns, envs_per_worker=2, step_timeout=0.5) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        for _ in range(2):
+            envs.send(ones)
+            envs.recv()
+        before = sent_on_parts(envs)
+        envs.send(ones)
+        assert sent_on_parts(envs) == before + 1
+        *_, infos = envs.recv(batch_size=2)
+        assert infos["env_id"].tolist() == [0, 1]  # not held back by the hung worker
+        _, rewards, _, truncations, infos = envs.recv(timeout=30)
+        assert infos["env_id"].tolist() == [2, 3]
+        assert rewards.tolist() == [0.0, 0.0]
+        assert truncations.tolist() == [True, True]
+        assert infos["multienv"]["cause"].tolist() == ["timeout", "timeout"]
+
+
+def test_recv_timeout_on_the_parts_plane_loses_nothing():
+    fns = [CountingEnv] * 2 + [functools.partial(HangOnStep, at_count=3, hang_s=1.0)] * 2
+    with MultiEnv(fns, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        for _ in range(2):
+            envs.send(ones)
+            envs.recv()
+        envs.send(ones)
+        with pytest.raises(TimeoutError, match="2 of the 4 envs ready"):
+            envs.recv(timeout=0.2)
+        with pytest.raises(EnvStateError, match=r"envs \[0, 1, 2, 3\] are in flight"):
+            envs.step(ones)
+        obs, *_ = envs.recv(timeout=30)
+        assert obs[:, 0].tolist() == [3.0, 3.0, 3.0, 3.0]
+        envs.step(ones)  # idle again
+
+
+def test_disabled_autoreset_refuses_an_ended_env_before_sending():
+    with MultiEnv([CountingEnv] * 2, autoreset_mode=AutoresetMode.DISABLED) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(2, dtype=np.int64)
+        for _ in range(5):
+            envs.send(ones)
+            *_, terminations, _, _ = envs.recv()
+        assert terminations.all()
+        with pytest.raises(EnvStateError, match="env 0"):
+            envs.send(ones)
+        envs.reset()
+        envs.send(ones)
+        assert envs.recv()[0][:, 0].tolist() == [1.0, 1.0]
+
+
+def test_close_with_workers_in_flight_on_the_parts_plane():
+    envs = MultiEnv([CountingEnv] * 4, envs_per_worker=2)
+    envs.reset(seed=0)
+    envs.send(np.ones(4, dtype=np.int64))
+    envs.recv(batch_size=2)
+    envs.close()
+    assert envs.closed
+
+
+def test_an_env_error_on_the_parts_plane_is_raised_and_the_other_steps_are_kept():
+    fns = [CountingEnv] * 2 + [functools.partial(RaiseOnStep, at_count=3)] * 2
+    with MultiEnv(fns, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        for _ in range(2):
+            envs.send(ones)
+            envs.recv()
+        before = sent_on_parts(envs)
+        envs.send(ones)
+        assert sent_on_parts(envs) == before + 1
+        with pytest.raises(EnvError, match="env 2: step\\(\\) raised ValueError"):
+            envs.recv()
+        obs, rewards, *_, infos = envs.recv()  # the envs that stepped
+        assert infos["env_id"].tolist() == [0, 1]
+        assert rewards.tolist() == [1.0, 1.0]
+        assert obs[:, 0].tolist() == [3.0, 3.0]
+        envs.send(ones[:2], [2, 3])  # the envs that raised did not step; send them again
+        obs, *_ = envs.recv()
+        assert obs[:, 0].tolist() == [4.0, 4.0]
