@@ -216,3 +216,23 @@ def test_an_env_error_on_the_parts_plane_is_raised_and_the_other_steps_are_kept(
         envs.send(ones[:2], [2, 3])  # the envs that raised did not step; send them again
         obs, *_ = envs.recv()
         assert obs[:, 0].tolist() == [4.0, 4.0]
+
+
+def test_after_a_death_an_envpool_loop_goes_back_to_the_parts_plane():
+    with MultiEnv([functools.partial(SleepyEnv, 0.05)] * 4, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        for _ in range(2):
+            envs.send(ones)
+            envs.recv()
+        envs.send(ones)
+        os.kill(envs.envs[0].pid, signal.SIGKILL)
+        truncated = []
+        before = sent_on_parts(envs)
+        for _ in range(6):  # recv half, send those back: never all received at once
+            _, _, _, truncations, infos = envs.recv(batch_size=2)
+            truncated += infos["env_id"][truncations].tolist()
+            envs.send(ones[:2], infos["env_id"])
+        assert truncated == [0, 1]
+        assert sent_on_parts(envs) >= before + 5  # the first send after the death too
+        envs.recv()

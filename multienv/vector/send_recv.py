@@ -133,18 +133,24 @@ class InFlight:
     def send_parts(self, actions: Any, env_ids: Any) -> bool:
         """Send whole workers on the parts plane; False if they go the general way.
 
-        Whatever the parts plane has in flight then goes the general way too.
+        Only when no worker steps the general way (envs it collected and has not returned
+        may wait, as long as none is sent again). Whatever the parts plane has in flight
+        goes the general way too when it declines.
         """
         parts = self.parts
-        if parts is None or self._flying or self._received:
+        if parts is None or self._flying:
             return False
+        if self._received and (
+            env_ids is None or not self._received.keys().isdisjoint(np.ravel(env_ids).tolist())
+        ):
+            return False  # the vector's checks say which env is in flight
         if parts.send(actions, env_ids):
             return True
-        self._adopt(parts.hand_over())
+        self._raise_first(self._adopt(parts.hand_over()))
         return False
 
-    def _adopt(self, handed: dict[int, Any]) -> None:
-        """Collect the parts plane's workers here; raise the first env's error, if any.
+    def _adopt(self, handed: dict[int, Any]) -> dict[int, BaseException]:
+        """Collect the parts plane's workers here; the errors of those collected already.
 
         Each gives its part of a planned step, or its outcome when its supervisor
         collected it already (filed at once).
@@ -159,6 +165,29 @@ class InFlight:
                 errors.update(
                     self._assembly.receive(outcome, self._flying, self._received, self._plans)
                 )
+        return errors
+
+    def _collect(self, deadline: float | None) -> dict[int, BaseException]:
+        """Collect every worker stepping the general way, until none is left or the deadline.
+
+        Their envs are filed under ``received``; returns their errors, by env.
+        """
+        errors: dict[int, BaseException] = {}
+        groups = self._fan_out.groups
+        while self._flying:
+            flying = sorted(self._flying)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = self._fan_out.wait_any(flying, left)
+            if not ready:
+                break
+            collected = {flying[k]: finish(groups[flying[k]]) for k in ready}
+            errors.update(
+                self._assembly.receive(collected, self._flying, self._received, self._plans)
+            )
+        return errors
+
+    @staticmethod
+    def _raise_first(errors: dict[int, BaseException]) -> None:
         if errors:
             raise_first(errors)
 
@@ -203,14 +232,21 @@ class InFlight:
             )
         deadline = None if timeout is None else time.monotonic() + timeout
         if parts is not None and parts.is_busy():
-            if self._flying or self._received:
-                self._adopt(parts.hand_over())
-            else:
+            if not self._received and not self._flying:
                 batch = parts.receive(size, timeout)
                 if type(batch) is tuple:
                     return batch
                 assert isinstance(batch, dict)
-                self._adopt(batch)  # (raises an env's error, the others' steps kept)
+                # Something was not as usual. Every worker in flight is collected now,
+                # so that the next sends find none stepping the general way and go on the
+                # parts plane again; the envs collected are returned first, in order.
+                errors = self._adopt(batch)
+                errors.update(self._collect(deadline))
+                self._raise_first(errors)  # the others' steps are kept
+            elif len(self._received) < size or self._flying:  # both ways: one way only
+                errors = self._adopt(parts.hand_over())
+                errors.update(self._collect(deadline))
+                self._raise_first(errors)
         while len(self._received) < size:
             flying = sorted(self._flying)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
