@@ -1,0 +1,155 @@
+"""send_recv: InFlight, the envs send() stepped and recv() has not returned, against fakes."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode
+
+from multienv import EnvStateError
+from multienv.errors import WaitTimeoutError
+from multienv.vector.assembly import Assembly
+from multienv.vector.fan_out import group_by_worker
+from multienv.vector.send_recv import InFlight
+from multienv.wire.autoreset import Autoreset
+from multienv.wire.protocol import BatchResult, StepPlan
+
+OBS = gym.spaces.Box(-100.0, 100.0, (1,), np.float32)
+
+
+class Worker:
+    """A supervisor whose batch's result is its actions, as rewards and observations."""
+
+    def __init__(self, num_envs):
+        self.num_envs = num_envs
+        self.sent = []
+        self.deadline = None
+        self.handle = self
+
+    def submit(self, batch):
+        self.sent.append(batch)
+
+    def finish(self):
+        actions = np.asarray(self.sent[-1].actions, dtype=np.float64)
+        n = len(actions)
+        obs = [np.array([a], np.float32) for a in actions]
+        return BatchResult(actions, np.zeros(n, bool), np.zeros(n, bool), obs, {}), {}
+
+
+class FanOut:
+    """The workers, and a multi-wait that says which of them are ready."""
+
+    def __init__(self, workers, positions):
+        self.groups = group_by_worker(workers, positions)
+        self.ready: list[int] = []  # worker numbers, in the order they finish
+
+    def wait_any(self, numbers, timeout):
+        return [numbers.index(n) for n in self.ready if n in numbers][:1]
+
+
+class Parts:
+    """A parts plane that takes whole workers when told to, and hands them over."""
+
+    def __init__(self, takes):
+        self.takes = takes
+        self.sent = 0
+        self.busy: list[int] = []
+
+    def is_busy(self):
+        return bool(self.busy)
+
+    def num_busy(self):
+        return len(self.busy)
+
+    def env_ids(self):
+        return sorted(self.busy)
+
+    def send(self, actions, env_ids):
+        if not self.takes:
+            return False
+        self.sent += 1
+        self.busy += list(env_ids)
+        return True
+
+    def hand_over(self):
+        self.busy = []
+        return {}
+
+
+def in_flight_of(workers, positions):
+    fan_out = FanOut(workers, positions)
+    num_envs = len(positions)
+    autoreset = Autoreset(AutoresetMode.NEXT_STEP, num_envs)
+    autoreset.after_reset(list(range(num_envs)))
+    assembly = Assembly(OBS, num_envs, object(), autoreset, True, lambda i: (None, None, {}))
+    return InFlight(fan_out, assembly, autoreset), fan_out
+
+
+def test_send_submits_each_workers_share_as_one_batch():
+    a, b = Worker(2), Worker(2)
+    in_flight, _ = in_flight_of([a, a, b, b], [0, 1, 0, 1])
+    in_flight.send([3, 0, 1], np.array([30, 0, 10]))
+    assert [list(batch.positions) for batch in a.sent] == [[0, 1]]
+    assert np.asarray(a.sent[0].actions).tolist() == [0, 10]
+    assert [list(batch.positions) for batch in b.sent] == [[1]]
+    assert in_flight.env_ids() == [0, 1, 3]
+    assert in_flight.is_busy()
+    with pytest.raises(EnvStateError, match=r"env 2: its worker is stepping envs \[3\]"):
+        in_flight.send([2], np.array([20]))
+
+
+def test_recv_returns_the_first_workers_to_finish_and_keeps_the_rest():
+    a, b = Worker(2), Worker(2)
+    in_flight, fan_out = in_flight_of([a, a, b, b], [0, 1, 0, 1])
+    in_flight.send([0, 1, 2, 3], np.array([0, 10, 20, 30]))
+    fan_out.ready = [1, 0]  # b finishes first
+    obs, rewards, _, _, infos = in_flight.recv(1, None)
+    assert infos["env_id"].tolist() == [2]
+    assert rewards.tolist() == [20.0]
+    assert obs[:, 0].tolist() == [20.0]
+    assert in_flight.env_ids() == [0, 1, 3]  # env 3 is kept, collected, for the next recv
+    *_, infos = in_flight.recv(None, None)
+    assert infos["env_id"].tolist() == [0, 1, 3]
+    assert not in_flight.is_busy()
+
+
+def test_recv_checks_its_batch_size_and_that_anything_is_in_flight():
+    in_flight, _ = in_flight_of([Worker(1)], [0])
+    with pytest.raises(EnvStateError, match="no env in flight"):
+        in_flight.recv(None, None)
+    in_flight.send([0], np.array([1]))
+    with pytest.raises(ValueError, match="recv\\(batch_size=2\\) with 1 envs in flight"):
+        in_flight.recv(2, None)
+
+
+def test_a_recv_timeout_loses_nothing():
+    in_flight, fan_out = in_flight_of([Worker(1), Worker(1)], [0, 0])
+    in_flight.send([0, 1], np.array([5, 6]))
+    with pytest.raises(WaitTimeoutError, match="0 of the 2 envs ready"):
+        in_flight.recv(None, 0.01)
+    assert in_flight.env_ids() == [0, 1]
+    fan_out.ready = [0, 1]
+    *_, infos = in_flight.recv(None, None)
+    assert infos["env_id"].tolist() == [0, 1]
+
+
+def test_whole_workers_go_to_the_parts_plane_first():
+    in_flight, _ = in_flight_of([Worker(1), Worker(1)], [0, 0])
+    parts = in_flight.parts = Parts(takes=True)
+    assert in_flight.send_parts(np.array([1, 2]), [0, 1])
+    assert parts.sent == 1
+    assert in_flight.env_ids() == [0, 1]  # the parts plane's envs count as in flight
+    assert in_flight.is_busy()
+
+
+def test_what_the_parts_plane_declines_goes_the_general_way_with_what_it_had():
+    a, b = Worker(1), Worker(1)
+    in_flight, _ = in_flight_of([a, b], [0, 0])
+    parts = in_flight.parts = Parts(takes=False)
+    handed = StepPlan(np.array([7, 0]), np.zeros(2, bool), False)
+    parts.hand_over = lambda: {0: handed}  # env 0's worker was in flight there
+    assert not in_flight.send_parts(np.array([2]), [1])
+    assert in_flight.env_ids() == [0]  # now the general path's, as a planned part
+    with pytest.raises(EnvStateError, match="env 0: its worker is stepping envs \\[0\\]"):
+        in_flight.send([0], np.array([1]))
+    in_flight.send([1], np.array([2]))
+    assert in_flight.env_ids() == [0, 1]
