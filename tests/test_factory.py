@@ -8,13 +8,12 @@ import pytest
 from multienv import EnvError
 from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.factory import (
-    check_timeouts,
     create_envs,
     one_error,
     pickle_env_fn,
-    proxies_for,
     warn_unbounded_batches,
 )
+from multienv.supervision.options import SupervisorOptions, check_options
 from tests.envs import CountingEnv
 
 
@@ -28,9 +27,17 @@ def test_a_factory_must_be_a_picklable_callable_and_the_error_names_the_env():
 
 
 def test_timeouts_are_positive_or_none():
-    check_timeouts(0, step_timeout=None, reset_timeout=0.5)
+    SupervisorOptions(step_timeout=None, reset_timeout=0.5).check(0)
     with pytest.raises(ValueError, match="env 2: step_timeout must be > 0 or None, got 0"):
-        check_timeouts(2, step_timeout=0)
+        SupervisorOptions(step_timeout=0).check(2)
+
+
+def test_supervisor_options_take_their_own_keywords_and_leave_the_others():
+    options = SupervisorOptions.of({"step_timeout": 2.0, "pin_cpu": True})
+    assert options == SupervisorOptions(step_timeout=2.0)
+    assert "close_timeout_s" in SupervisorOptions.names()
+    with pytest.raises(TypeError, match=r"f\(\) got unexpected keyword argument\(s\) \['x'\]"):
+        check_options("f", {"x", "step_timeout"}, SupervisorOptions.names())
 
 
 def test_step_timeout_with_several_envs_per_worker_and_no_reset_timeout_is_warned(caplog):
@@ -112,14 +119,3 @@ def test_a_worker_that_fails_to_start_closes_them_all():
     assert ("close", 2) in calls
     with pytest.raises(ValueError, match=r"f\(\): envs_per_worker must be an int >= 1"):
         create_envs([CountingEnv], 0, supervise, Proxy, "f")
-
-
-def test_multi_env_takes_ready_envs_or_factories_and_options_only_with_factories():
-    with pytest.raises(ValueError, match="at least one env"):
-        proxies_for([], "subprocess", 1, True, {}, ())
-    with pytest.raises(TypeError, match="env 1: MultiEnv takes either all ready envs"):
-        proxies_for([CountingEnv(), CountingEnv], "subprocess", 1, True, {}, ())
-    with pytest.raises(TypeError, match="ready envs and options \\['envs_per_worker'\\]"):
-        proxies_for([CountingEnv()], "subprocess", 2, True, {}, ())
-    with pytest.raises(TypeError, match="unexpected keyword argument\\(s\\) \\['bogus'\\]"):
-        proxies_for([CountingEnv], "subprocess", 1, True, {"bogus": 1}, ("copy",))

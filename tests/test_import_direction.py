@@ -1,4 +1,5 @@
-"""The worker side and the wire import nothing of the parent side (read from the source).
+"""The worker side and the wire import nothing of the parent side (read from the source);
+the control plane (``supervision/``) imports neither the vector nor a backend.
 
 One import runs by name instead, and is not seen here: ``wire.protocol.worker_module``
 imports ``multienv.worker.worker`` in the processes that run workers, so that the parent
@@ -18,6 +19,13 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "multienv"
 ALLOWED = {
     "wire": ("multienv.wire", "multienv.errors"),
     "worker": ("multienv.worker", "multienv.wire", "multienv.errors"),
+    "supervision": (
+        "multienv.supervision",
+        "multienv.wire",
+        "multienv.errors",
+        "multienv.restart",
+        "multienv.recycle",
+    ),
 }
 
 

@@ -253,3 +253,10 @@ def test_a_worker_sees_the_parents_environment_as_it_is_when_the_worker_starts(m
         assert proxy.call("getenv", "HOME") is None
     finally:
         proxy.close()
+
+
+def test_create_subprocess_envs_names_an_unknown_option_in_its_own_name():
+    with pytest.raises(TypeError, match=r"create_subprocess_envs\(\) got unexpected keyword"):
+        create_subprocess_envs([CountingEnv], step_timout=1.0)
+    with pytest.raises(TypeError, match="pin_cpu must be True, False or None"):
+        create_subprocess_envs([CountingEnv], pin_cpu="yes")

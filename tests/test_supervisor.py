@@ -13,6 +13,7 @@ import pytest
 from multienv import EnvCrashedError, EnvCrashLoopError, EnvError, RecyclePolicy, RestartPolicy
 from multienv.supervision.handles import Backend, Death
 from multienv.supervision.lifecycle import EnvState
+from multienv.supervision.options import SupervisorOptions
 from multienv.supervision.supervisor import WorkerSupervisor
 from multienv.wire.protocol import (
     Batch,
@@ -112,7 +113,8 @@ def resets(size: int) -> Batch:
 
 def ready(handle: FakeHandle, **options: Any) -> WorkerSupervisor:
     options.setdefault("restart_policy", RestartPolicy(max_restarts=3, backoff=0.0))
-    supervisor = WorkerSupervisor(handle, list(range(handle.num_envs)), _BACKEND, **options)
+    env_indices = list(range(handle.num_envs))
+    supervisor = WorkerSupervisor(handle, env_indices, _BACKEND, SupervisorOptions(**options))
     supervisor.start()
     supervisor.initialize()
     return supervisor
@@ -130,9 +132,8 @@ def test_initialize_respawns_a_worker_that_dies_while_building() -> None:
 def test_crash_loop_spends_the_budget_then_raises_and_stays_broken() -> None:
     handle = FakeHandle()
     handle.handshakes.extend([Death("exit code 3")] * 10)
-    supervisor = WorkerSupervisor(
-        handle, [0], _BACKEND, restart_policy=RestartPolicy(max_restarts=2, backoff=0.0)
-    )
+    policy = RestartPolicy(max_restarts=2, backoff=0.0)
+    supervisor = WorkerSupervisor(handle, [0], _BACKEND, SupervisorOptions(restart_policy=policy))
     supervisor.start()
     with pytest.raises(EnvCrashLoopError) as caught:
         supervisor.initialize()

@@ -6,6 +6,7 @@ import pytest
 
 from multienv import EnvStateError
 from multienv.vector import vector_checks
+from tests.envs import CountingEnv
 
 DISCRETE = gym.spaces.Discrete(3)
 BOX = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
@@ -121,3 +122,14 @@ def test_env_ids_to_send_are_distinct_existing_and_not_in_flight():
     with pytest.raises(EnvStateError, match="env 1: already in flight") as caught:
         vector_checks.env_ids_to_send([0, 1], 3, {1})
     assert caught.value.env_index == 1
+
+
+def test_multi_env_takes_ready_envs_or_factories_and_options_only_with_factories():
+    with pytest.raises(ValueError, match="at least one env"):
+        vector_checks.proxies_for([], "subprocess", 1, True, {}, ())
+    with pytest.raises(TypeError, match="env 1: MultiEnv takes either all ready envs"):
+        vector_checks.proxies_for([CountingEnv(), CountingEnv], "subprocess", 1, True, {}, ())
+    with pytest.raises(TypeError, match="ready envs and options \\['envs_per_worker'\\]"):
+        vector_checks.proxies_for([CountingEnv()], "subprocess", 2, True, {}, ())
+    with pytest.raises(TypeError, match="unexpected keyword argument\\(s\\) \\['bogus'\\]"):
+        vector_checks.proxies_for([CountingEnv], "subprocess", 1, True, {"bogus": 1}, ("copy",))

@@ -8,19 +8,18 @@ that part is the same for every backend and lives here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar
 
 import cloudpickle
-import gymnasium as gym
 
 from multienv.errors import EnvError
 from multienv.supervision.env_proxy import RemoteEnv
-from multienv.supervision.handles import Backend, WorkerHandle, find_backend
+from multienv.supervision.handles import Backend, WorkerHandle
+from multienv.supervision.options import SupervisorOptions
 from multienv.supervision.supervisor import WorkerSupervisor
-from multienv.vector import vector_checks
 from multienv.wire.space_bounds import share_bounds
 
 logger = logging.getLogger(__name__)
@@ -42,13 +41,6 @@ def pickle_env_fn(env_fn: Callable[[], Any], env_index: int) -> bytes:
             f"env {env_index}: env_fn {env_fn!r} cannot be pickled with cloudpickle ({exc}); "
             "build unpicklable resources inside env_fn instead of capturing them."
         ) from exc
-
-
-def check_timeouts(env_index: int, **timeouts: float | None) -> None:
-    """Raise ValueError, naming the env, for a timeout that is not > 0 or None."""
-    for name, value in timeouts.items():
-        if value is not None and value <= 0:
-            raise ValueError(f"env {env_index}: {name} must be > 0 or None, got {value!r}")
 
 
 def warn_unbounded_batches(envs_per_worker: int, options: dict[str, Any]) -> None:
@@ -74,7 +66,7 @@ def supervise(
     first_env_index: int,
     make_handle: Callable[[list[bytes]], WorkerHandle],
     backend: Backend,
-    **supervisor_options: Any,
+    options: SupervisorOptions,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories, and build one worker's supervisor.
 
@@ -83,21 +75,15 @@ def supervise(
         first_env_index: The vector index of its first env, for messages.
         make_handle: Builds the backend's handle from the pickled factories.
         backend: The backend the handle belongs to.
-        **supervisor_options: ``WorkerSupervisor``'s keyword options (timeouts, policies).
+        options: The supervisor's deadlines and policies.
     """
-    check_timeouts(
-        first_env_index,
-        **{
-            name: supervisor_options.get(name)
-            for name in ("step_timeout", "reset_timeout", "init_timeout")
-        },
-    )
+    options.check(first_env_index)
     env_indices = list(range(first_env_index, first_env_index + len(env_fns)))
     env_fn_bytes = [
         pickle_env_fn(env_fn, env_index)
         for env_fn, env_index in zip(env_fns, env_indices, strict=True)
     ]
-    return WorkerSupervisor(make_handle(env_fn_bytes), env_indices, backend, **supervisor_options)
+    return WorkerSupervisor(make_handle(env_fn_bytes), env_indices, backend, options)
 
 
 def create_envs(
@@ -183,49 +169,3 @@ def _is_same_env_error(error: BaseException, first: BaseException) -> bool:
         and type(cause) is type(first_cause)
         and str(cause) == str(first_cause)
     )
-
-
-def proxies_for(
-    items: list[Any],
-    backend: str,
-    envs_per_worker: int,
-    daemon: bool,
-    options: dict[str, Any],
-    own_options: Collection[str],
-) -> tuple[list[RemoteEnv], bool]:
-    """``MultiEnv``'s envs: the ready proxies it was given, or new ones built from factories.
-
-    Args:
-        items: Ready proxies, or env factories (not a mix).
-        backend: The name of the backend that builds proxies from factories.
-        envs_per_worker: How many envs each new worker hosts.
-        daemon: Start new workers as daemons (where the backend has the option).
-        options: The backend's options, for new proxies only.
-        own_options: MultiEnv's own keyword options, listed when an option is unknown.
-
-    Returns:
-        The proxies, and whether they were built here (then the caller closes them if it
-        fails).
-    """
-    if not items:
-        raise ValueError("MultiEnv needs at least one env or env factory, got none.")
-    is_proxy = [isinstance(item, gym.Env) for item in items]
-    if all(is_proxy):
-        if options or envs_per_worker != 1:
-            given = sorted([*options, *(["envs_per_worker"] if envs_per_worker != 1 else [])])
-            raise TypeError(
-                f"MultiEnv got ready envs and options {given!r}; options apply "
-                "only when MultiEnv builds the envs from factories."
-            )
-        vector_checks.check_ready(items)
-        return items, False
-    if any(is_proxy):
-        first = is_proxy.index(not is_proxy[0])
-        raise TypeError(
-            f"env {first}: MultiEnv takes either all ready envs or all env factories, not a mix."
-        )
-    chosen = find_backend(backend)
-    vector_checks.check_options("MultiEnv", options, chosen.options | set(own_options))
-    if not daemon and "daemon" in chosen.options:
-        options = {**options, "daemon": False}
-    return chosen.create_envs(items, envs_per_worker=envs_per_worker, **options), True

@@ -41,12 +41,12 @@ import numpy as np
 from multienv.errors import (
     EnvStateError,
 )
-from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 from multienv.supervision.failures import RestartLedger
 from multienv.supervision.handles import Backend, Death, SharedMemoryHandle, WorkerHandle
 from multienv.supervision.lifecycle import EnvState, WorkerLife
 from multienv.supervision.log_limit import failure_log
+from multienv.supervision.options import SupervisorOptions
 from multienv.supervision.recycler import Recycler
 from multienv.supervision.truncation import CutEpisodes
 from multienv.supervision.worker_stats import WorkerStats
@@ -65,8 +65,7 @@ logger = logging.getLogger(__name__)
 
 # The defaults of every backend's ``init_timeout`` and ``close_timeout_s``: how long a worker
 # may take to build its envs, and how long ``close()`` waits for it before killing it.
-INIT_TIMEOUT_S = 60.0
-CLOSE_TIMEOUT_S = 5.0
+_DEFAULTS = SupervisorOptions()
 
 
 def batch_deadline(
@@ -125,14 +124,8 @@ class WorkerSupervisor:
         handle: The transport to the worker.
         env_indices: The index of each of the worker's envs, by position, for messages.
         backend: The backend the handle belongs to (a vector links its handles with it).
-        restart_policy: How many respawns are allowed, and how fast; None for the default.
-        step_timeout: Seconds one env's step may take; a batch of m steps gets m times that.
-        reset_timeout: Seconds one env's reset may take; likewise per batch.
-        init_timeout: Seconds the worker may take to build its envs.
-        restart_on_error: Treat an exception raised by env code as a death.
-        close_timeout_s: Seconds ``close()`` waits for the worker to exit before killing it.
-        recycle: When to replace the worker by a fresh one at an episode boundary, and when
-            to kill it for its memory; None never recycles.
+        options: Its deadlines and policies (``SupervisorOptions``). A batch of m steps gets
+            m times ``step_timeout``, and m resets m times ``reset_timeout``.
     """
 
     def __init__(
@@ -140,16 +133,11 @@ class WorkerSupervisor:
         handle: WorkerHandle,
         env_indices: Sequence[int],
         backend: Backend,
-        *,
-        restart_policy: RestartPolicy | None = None,
-        step_timeout: float | None = None,
-        reset_timeout: float | None = None,
-        init_timeout: float | None = INIT_TIMEOUT_S,
-        restart_on_error: bool = False,
-        close_timeout_s: float = CLOSE_TIMEOUT_S,
-        recycle: RecyclePolicy | None = None,
+        options: SupervisorOptions = _DEFAULTS,
     ) -> None:
         """Create the supervisor; no worker is started yet."""
+        restart_policy, recycle = options.restart_policy, options.recycle
+        init_timeout, restart_on_error = options.init_timeout, options.restart_on_error
         self.handle = handle
         # The optional shared-memory part of the handle, when the backend has one.
         self._shm_handle = handle if isinstance(handle, SharedMemoryHandle) else None
@@ -159,10 +147,10 @@ class WorkerSupervisor:
         self._ledger = RestartLedger(
             restart_policy if restart_policy is not None else RestartPolicy(), self.env_indices
         )
-        self._timeouts = (step_timeout, reset_timeout)
+        self._timeouts = (options.step_timeout, options.reset_timeout)
         self._init_timeout = init_timeout
         self._restart_on_error = restart_on_error
-        self._close_timeout_s = close_timeout_s
+        self._close_timeout_s = options.close_timeout_s
         self._pending: _Pending | None = None
         self._planned = _Pending(None, None, None, {}, None, None, 0.0)  # see submit_planned
         self._cuts = CutEpisodes(

@@ -33,7 +33,7 @@ from multienv.errors import (
     raised_here,
 )
 from multienv.supervision.env_proxy import RemoteEnv, abandon_workers
-from multienv.supervision.factory import proxies_for, warn_unbounded_batches
+from multienv.supervision.factory import warn_unbounded_batches
 from multienv.supervision.handles import DataPlane, SharedMemoryLink, VectorParts, keyword_options
 from multienv.vector import vector_checks
 from multienv.vector.assembly import Assembly, StepBatch
@@ -140,7 +140,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         self.daemon = daemon
         self.observation_mode = observation_mode
         self.max_concurrency = max_concurrency
-        proxies, is_built = proxies_for(
+        proxies, is_built = vector_checks.proxies_for(
             list(envs),
             backend,
             envs_per_worker,

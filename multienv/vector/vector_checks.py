@@ -2,7 +2,7 @@
 
 Bad input gets an exception that names the env index and what was expected: constructor
 options, envs whose spaces differ, seeds, reset options and masks, actions, env ids. Nothing
-here talks to a worker.
+here talks to a worker; ``proxies_for`` hands checked factories to their backend.
 """
 
 from __future__ import annotations
@@ -16,19 +16,11 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space, iterate
 
 from multienv.errors import EnvStateError, SpaceMismatchError
 from multienv.supervision.env_proxy import RemoteEnv
+from multienv.supervision.handles import find_backend
 from multienv.supervision.lifecycle import EnvState
+from multienv.supervision.options import check_options
 from multienv.wire.shared_memory import ARRAY_SPACES
 from multienv.wire.space_bounds import lean_batch_space
-
-
-def check_options(owner: str, options: Collection[str], valid: Collection[str]) -> None:
-    """Refuse keyword options that ``owner`` does not take, in its own name, listing valid ones."""
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise TypeError(
-            f"{owner}() got unexpected keyword argument(s) {unknown}; valid options are "
-            f"{sorted(valid)}."
-        )
 
 
 def envs_given(envs: Iterable[Any] | None, env_fns: Iterable[Any] | None) -> Iterable[Any]:
@@ -303,3 +295,49 @@ def env_ids_to_send(
             )
         seen.add(i)
     return ids
+
+
+def proxies_for(
+    items: list[Any],
+    backend: str,
+    envs_per_worker: int,
+    daemon: bool,
+    options: dict[str, Any],
+    own_options: Collection[str],
+) -> tuple[list[RemoteEnv], bool]:
+    """``MultiEnv``'s envs: the ready proxies it was given, or new ones built from factories.
+
+    Args:
+        items: Ready proxies, or env factories (not a mix).
+        backend: The name of the backend that builds proxies from factories.
+        envs_per_worker: How many envs each new worker hosts.
+        daemon: Start new workers as daemons (where the backend has the option).
+        options: The backend's options, for new proxies only.
+        own_options: MultiEnv's own keyword options, listed when an option is unknown.
+
+    Returns:
+        The proxies, and whether they were built here (then the caller closes them if it
+        fails).
+    """
+    if not items:
+        raise ValueError("MultiEnv needs at least one env or env factory, got none.")
+    is_proxy = [isinstance(item, gym.Env) for item in items]
+    if all(is_proxy):
+        if options or envs_per_worker != 1:
+            given = sorted([*options, *(["envs_per_worker"] if envs_per_worker != 1 else [])])
+            raise TypeError(
+                f"MultiEnv got ready envs and options {given!r}; options apply "
+                "only when MultiEnv builds the envs from factories."
+            )
+        check_ready(items)
+        return items, False
+    if any(is_proxy):
+        first = is_proxy.index(not is_proxy[0])
+        raise TypeError(
+            f"env {first}: MultiEnv takes either all ready envs or all env factories, not a mix."
+        )
+    chosen = find_backend(backend)
+    check_options("MultiEnv", options, chosen.options | set(own_options))
+    if not daemon and "daemon" in chosen.options:
+        options = {**options, "daemon": False}
+    return chosen.create_envs(items, envs_per_worker=envs_per_worker, **options), True

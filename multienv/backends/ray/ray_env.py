@@ -32,7 +32,13 @@ from multienv.restart import RestartPolicy
 from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.factory import create_envs, supervise
 from multienv.supervision.handles import Backend, Death, VectorLink, WorkerHandle, keyword_options
-from multienv.supervision.supervisor import CLOSE_TIMEOUT_S, INIT_TIMEOUT_S, WorkerSupervisor
+from multienv.supervision.options import (
+    CLOSE_TIMEOUT_S,
+    INIT_TIMEOUT_S,
+    SupervisorOptions,
+    check_options,
+)
+from multienv.supervision.supervisor import WorkerSupervisor
 from multienv.wire.framing import decode, encode
 from multienv.wire.protocol import (
     Batch,
@@ -498,33 +504,25 @@ class RayEnv(RemoteEnv):
         env_index: int = 0,
     ) -> None:
         """Check the options and pickle ``env_fn``; no actor is created yet."""
-        supervisor = _supervise(
-            [env_fn],
-            env_index,
-            ray_options=ray_options,
+        supervision = SupervisorOptions(
             restart_policy=restart_policy,
             step_timeout=step_timeout,
             reset_timeout=reset_timeout,
             init_timeout=init_timeout,
             restart_on_error=restart_on_error,
-            recycle=recycle,
             close_timeout_s=close_timeout_s,
+            recycle=recycle,
         )
-        super().__init__(supervisor, 0)
+        super().__init__(_supervise([env_fn], env_index, ray_options, supervision), 0)
 
 
 def _supervise(
     env_fns: Sequence[EnvFn],
     first_env_index: int,
-    *,
-    ray_options: RayOptions | None = None,
-    **supervisor_options: Any,
+    ray_options: RayOptions | None,
+    supervision: SupervisorOptions,
 ) -> WorkerSupervisor:
-    """Check the options, pickle the factories and build one actor's handle and supervisor.
-
-    ``supervisor_options`` are ``WorkerSupervisor``'s (timeouts, policies), as ``RayEnv``
-    documents them.
-    """
+    """Check the options, pickle the factories and build one actor's handle and supervisor."""
     options = ray_options if ray_options is not None else RayOptions()
     if not isinstance(options, RayOptions):
         raise TypeError(
@@ -536,12 +534,12 @@ def _supervise(
         first_env_index,
         lambda env_fn_bytes: ActorHandle(env_fn_bytes, first_env_index, options),
         BACKEND,
-        **supervisor_options,
+        supervision,
     )
 
 
 def create_ray_envs(
-    env_fns: Sequence[EnvFn], *, envs_per_worker: int = 1, **options: Any
+    env_fns: Sequence[EnvFn], *, envs_per_worker: int = 1, **keywords: Any
 ) -> list[RayEnv]:
     """Create the actors, then initialize them all in parallel; return one proxy per env.
 
@@ -553,7 +551,7 @@ def create_ray_envs(
             ``i // envs_per_worker``. A Ray call costs far more than a pipe's, so more envs
             per actor pay off sooner than on subprocesses; one actor's death truncates
             each of its envs.
-        **options: Keyword options of ``RayEnv`` (``ray_options`` among them), applied to
+        **keywords: Keyword options of ``RayEnv`` (``ray_options`` among them), applied to
             every env.
 
     Raises:
@@ -562,13 +560,16 @@ def create_ray_envs(
         EnvCrashLoopError: An actor kept failing to start (or to be placed); all proxies
             are closed first.
     """
-    if "env_index" in options:
+    if "env_index" in keywords:
         raise TypeError("create_ray_envs() numbers the envs itself; do not pass env_index")
-    ensure_ray(options.get("ray_options") or RayOptions())
+    check_options("create_ray_envs", keywords, SupervisorOptions.names() | {"ray_options"})
+    ray_options = keywords.get("ray_options")
+    supervision = SupervisorOptions.of(keywords)
+    ensure_ray(ray_options or RayOptions())
     return create_envs(
         env_fns,
         envs_per_worker,
-        lambda fns, first: _supervise(fns, first, **options),
+        lambda fns, first: _supervise(fns, first, ray_options, supervision),
         RayEnv,
         "create_ray_envs",
     )

@@ -36,7 +36,13 @@ from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.factory import create_envs, supervise
 from multienv.supervision.handles import Backend, keyword_options
 from multienv.supervision.lifecycle import EnvState
-from multienv.supervision.supervisor import CLOSE_TIMEOUT_S, INIT_TIMEOUT_S, WorkerSupervisor
+from multienv.supervision.options import (
+    CLOSE_TIMEOUT_S,
+    INIT_TIMEOUT_S,
+    SupervisorOptions,
+    check_options,
+)
+from multienv.supervision.supervisor import WorkerSupervisor
 from multienv.wire.worker_settings import SPIN_S, WorkerSettings, check_spinners, parent_spins
 
 EnvFn = Callable[[], gym.Env[Any, Any]]
@@ -201,52 +207,86 @@ class SubprocessEnv(RemoteEnv):
         wait: str = "sleep",
     ) -> None:
         """Check the options and pickle ``env_fn``; no process is started yet."""
-        supervisor = _supervise(
-            [env_fn],
-            env_index,
-            context=context,
+        supervision = SupervisorOptions(
             restart_policy=restart_policy,
             step_timeout=step_timeout,
             reset_timeout=reset_timeout,
             init_timeout=init_timeout,
             restart_on_error=restart_on_error,
-            recycle=recycle,
             close_timeout_s=close_timeout_s,
+            recycle=recycle,
+        )
+        options = SubprocessOptions(
+            supervision,
+            context=context,
             preload=preload,
             daemon=daemon,
             blas_threads=blas_threads,
             pin_cpu=pin_cpu,
             wait=wait,
         )
-        super().__init__(supervisor, 0)
+        super().__init__(_supervise([env_fn], env_index, options), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SubprocessOptions:
+    """Every option of a subprocess worker, typed; ``SubprocessEnv`` documents each.
+
+    The public functions take them as keywords; ``of`` reads them once, where they enter
+    the backend, and from there on they travel as this object.
+    """
+
+    supervision: SupervisorOptions = dataclasses.field(default_factory=SupervisorOptions)
+    context: BaseContext | str | None = None
+    preload: Sequence[str] = ()
+    daemon: bool = True
+    blas_threads: int | None = 1
+    pin_cpu: bool | None = None
+    wait: str = "sleep"
+
+    @classmethod
+    def of(cls, owner: str, options: Mapping[str, Any]) -> SubprocessOptions:
+        """Read keyword ``options``; a TypeError, in ``owner``'s name, for an unknown one."""
+        own = {field.name for field in dataclasses.fields(cls)} - {"supervision"}
+        check_options(owner, options, own | SupervisorOptions.names())
+        pin_cpu = options.get("pin_cpu")
+        if not (pin_cpu is None or isinstance(pin_cpu, bool)):
+            raise TypeError(f"pin_cpu must be True, False or None, got {pin_cpu!r}")
+        return cls(
+            SupervisorOptions.of(options),
+            **{name: value for name, value in options.items() if name in own},
+        )
+
+    @property
+    def is_served(self) -> bool:
+        """Whether workers with these options fork from the module server (when it serves)."""
+        context = self.context
+        is_forkserver = context in (None, "forkserver") or (
+            isinstance(context, BaseContext) and context.get_start_method() == "forkserver"
+        )
+        return bool(is_forkserver and sys.platform.startswith("linux") and self.daemon)
 
 
 def _supervise(
     env_fns: Sequence[EnvFn],
     first_env_index: int,
+    options: SubprocessOptions,
     *,
-    context: BaseContext | str | None = None,
-    preload: Sequence[str] = (),
-    daemon: bool = True,
-    blas_threads: int | None = 1,
-    pin_cpu: bool | None = None,
-    wait: str = "sleep",
     is_probe: bool = False,
     parent_spin: bool = False,
     pin: Pin | None = None,
-    **supervisor_options: Any,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one worker's handle and supervisor.
 
-    ``supervisor_options`` are ``WorkerSupervisor``'s (timeouts, policies), as
-    ``SubprocessEnv`` documents them. ``parent_spin``: the handle polls for ``SPIN_S``
-    before it sleeps on the worker (a hot vector's choice, ``parent_spins``). ``pin``: the
-    worker's CPU, as its vector planned it; a lone worker with ``pin_cpu=True`` claims one.
+    ``parent_spin``: the handle polls for ``SPIN_S`` before it sleeps on the worker (a hot
+    vector's choice, ``parent_spins``). ``pin``: the worker's CPU, as its vector planned it;
+    a lone worker with ``pin_cpu=True`` claims one.
     """
-    preload_names = _checked_preload(preload, f"env {first_env_index}")
+    preload_names = _checked_preload(options.preload, f"env {first_env_index}")
     # Checked before a lone worker claims its CPU, which a bad option would leave held.
-    settings = WorkerSettings.decide(blas_threads, None, first_env_index, wait=wait)
-    if pin is None and pin_cpu:
+    settings = WorkerSettings.decide(options.blas_threads, None, first_env_index, wait=options.wait)
+    options.supervision.check(first_env_index)
+    if pin is None and options.pin_cpu:
         pin = plan_pins(True, 1)[0]
     if pin is not None:
         settings = dataclasses.replace(settings, cpu=pin.cpu)
@@ -254,22 +294,22 @@ def _supervise(
 
     def make_handle(env_fn_bytes: list[bytes]) -> ProcessHandle:
         # After the options are checked and the factories pickled: may start the server.
-        resolved = resolve_context(context, preload_names, settings.thread_env)
+        resolved = resolve_context(options.context, preload_names, settings.thread_env)
         # Pools born the right size in the forkserver need no resizing in its workers.
         is_forkserver = resolved.get_start_method() == "forkserver"
         born_with = (forkserver_thread_env() or {}) if is_forkserver else {}
         worker_settings = settings.for_fork_from(born_with, os.environ)
         recipe = WorkerRecipe(
-            resolved, env_fn_bytes, first_env_index, daemon, worker_settings, is_probe
+            resolved, env_fn_bytes, first_env_index, options.daemon, worker_settings, is_probe
         )
         return ProcessHandle(recipe, spin_s=SPIN_S if parent_spin else 0.0, cpu_claim=cpu_claim)
 
-    return supervise(env_fns, first_env_index, make_handle, BACKEND, **supervisor_options)
+    return supervise(env_fns, first_env_index, make_handle, BACKEND, options.supervision)
 
 
 @raised_here
 def create_subprocess_envs(
-    env_fns: Sequence[EnvFn], *, envs_per_worker: int = 1, **options: Any
+    env_fns: Sequence[EnvFn], *, envs_per_worker: int = 1, **keywords: Any
 ) -> list[SubprocessEnv]:
     """Start the workers, then initialize them all in parallel; return one proxy per env.
 
@@ -278,7 +318,7 @@ def create_subprocess_envs(
         envs_per_worker: How many envs each worker process hosts: env i lives in worker
             ``i // envs_per_worker``. 1 (default) gives each env its own process; more steps
             cheap envs faster, and one worker's death truncates each of its envs.
-        **options: Keyword options of ``SubprocessEnv``, applied to every env.
+        **keywords: Keyword options of ``SubprocessEnv``, applied to every env.
 
     With more workers than cores (forkserver, daemon workers), env 0's factory runs once
     more, first, in a probe worker that reports the modules it imports and exits, so that
@@ -290,8 +330,9 @@ def create_subprocess_envs(
         EnvError: An env_fn raised in its worker; all proxies are closed first.
         EnvCrashLoopError: A worker kept failing to start; all proxies are closed first.
     """
-    if "env_index" in options:
+    if "env_index" in keywords:
         raise TypeError("create_subprocess_envs() numbers the envs itself; do not pass env_index")
+    options = SubprocessOptions.of("create_subprocess_envs", keywords)
     probe = parent_spin = False
     num_workers = 0
     pins: list[Pin | None] = []
@@ -301,18 +342,15 @@ def create_subprocess_envs(
         and envs_per_worker > 0
     ):
         num_workers = -(-len(env_fns) // envs_per_worker)
-        check_spinners(options.get("wait", "sleep"), num_workers)
-        parent_spin = parent_spins(options.get("wait", "sleep"), num_workers)
+        check_spinners(options.wait, num_workers)
+        parent_spin = parent_spins(options.wait, num_workers)
         probe = bool(env_fns) and _should_probe(num_workers, options)
-        pin_cpu = options.pop("pin_cpu", None)
-        if not (pin_cpu is None or isinstance(pin_cpu, bool)):
-            raise TypeError(f"pin_cpu must be True, False or None, got {pin_cpu!r}")
         # One free CPU each, claimed machine-wide (cpu_claims); after the checks above.
-        pins = plan_pins(pin_cpu, num_workers)
+        pins = plan_pins(options.pin_cpu, num_workers)
 
     def supervise_worker(fns: Sequence[EnvFn], first: int) -> WorkerSupervisor:
         pin = pins[first // envs_per_worker] if pins else None
-        return _supervise(fns, first, parent_spin=parent_spin, pin=pin, **options)
+        return _supervise(fns, first, options, parent_spin=parent_spin, pin=pin)
 
     try:
         envs = create_envs(
@@ -328,18 +366,19 @@ def create_subprocess_envs(
             if pin is not None and pin.claim is not None:
                 pin.claim.release()
         raise
-    if _is_served(options):  # the next vector's workers need not wait for forks
+    if options.is_served:  # the next vector's workers need not wait for forks
         module_server.keep_spares(num_workers)
     return envs
 
 
-def _start_module_server(env_fn: EnvFn, options: dict[str, Any]) -> None:
+def _start_module_server(env_fn: EnvFn, options: SubprocessOptions) -> None:
     """Build env 0 alone in a probe worker, whose report starts the module server; close it.
 
     Every worker of the vector then forks from the server: none imports the env's modules
     into memory of its own. An env_fn that fails fails here, as it would in its worker.
     """
-    supervisor = _supervise([env_fn], 0, is_probe=True, **{**options, "pin_cpu": False})
+    unpinned = dataclasses.replace(options, pin_cpu=False)
+    supervisor = _supervise([env_fn], 0, unpinned, is_probe=True)
     try:
         supervisor.start()
         supervisor.initialize()
@@ -347,7 +386,7 @@ def _start_module_server(env_fn: EnvFn, options: dict[str, Any]) -> None:
         supervisor.close(timeout=1.0)
 
 
-def _should_probe(num_workers: int, options: dict[str, Any]) -> bool:
+def _should_probe(num_workers: int, options: SubprocessOptions) -> bool:
     """Whether a probe worker builds env 0 first, so that its modules reach every worker.
 
     When the workers outnumber the cores, their imports would queue for the cores anyway;
@@ -356,19 +395,10 @@ def _should_probe(num_workers: int, options: dict[str, Any]) -> bool:
     start at once, and the server imports them before it forks the next worker.
     """
     return (
-        _is_served(options)
+        options.is_served
         and not module_server.has_tried()
         and num_workers > len(os.sched_getaffinity(0))
     )
-
-
-def _is_served(options: dict[str, Any]) -> bool:
-    """Whether workers with these options fork from the module server (when it serves)."""
-    context = options.get("context")
-    is_forkserver = context in (None, "forkserver") or (
-        isinstance(context, BaseContext) and context.get_start_method() == "forkserver"
-    )
-    return bool(is_forkserver and sys.platform.startswith("linux") and options.get("daemon", True))
 
 
 BACKEND = Backend(
@@ -383,6 +413,7 @@ __all__ = [
     "EnvFn",
     "EnvState",
     "SubprocessEnv",
+    "SubprocessOptions",
     "create_subprocess_envs",
     "resolve_context",
     "start_forkserver",
