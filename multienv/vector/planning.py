@@ -1,4 +1,4 @@
-"""PARENT SIDE, backend-neutral: env states and ``step_batch`` for planners.
+"""VECTOR API: env states and ``step_batch`` for planners.
 
 A planner (Monte-Carlo tree search, Go-Explore style search) clones env states, steps many
 (state, action) pairs in parallel and restores states at will. ``PlanningApi`` holds the

@@ -1,4 +1,4 @@
-"""WIRE, both sides: the one definition of the bytes on a worker's pipe.
+"""BOTH SIDES: the one definition of the bytes on a worker's pipe.
 
 Messages are framed with a 4-byte length (``frame`` / ``write_message`` / ``MessageReader``,
 straight on the socket's fd, so a small message costs one system call each way). Two kinds

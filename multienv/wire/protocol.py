@@ -1,4 +1,4 @@
-"""WIRE, both sides, no I/O: the typed messages between the parent and a worker hosting k envs.
+"""BOTH SIDES, no I/O: the typed messages between the parent and a worker hosting k envs.
 
 A worker hosts k envs; each has a ``position`` (0 to k-1) in its worker. This module holds
 the typed messages; how they travel as bytes is ``multienv.wire.framing``.

@@ -1,4 +1,7 @@
-"""PARENT AND FORKSERVER: multiprocessing's forkserver, for workers the module server cannot fork.
+"""PARENT SIDE: multiprocessing's forkserver, for workers the module server cannot fork.
+
+This module configures and starts it from the parent; what runs in the forkserver itself
+is ``forkserver_preload``, which reads the variables defined here.
 
 Daemon workers fork from multienv's module server (``module_server``). The others
 (``daemon=False``, factories too large for one request, every worker after the server
