@@ -24,6 +24,17 @@ def sent_on_parts(envs: MultiEnv) -> int:
     return parts.sent
 
 
+def send_warm(envs: MultiEnv, actions: np.ndarray) -> None:
+    """Two rounds of send/recv of every env (the first answer brings the info's keys), then
+    a send of every env that must go on the parts plane."""
+    for _ in range(2):
+        envs.send(actions)
+        envs.recv()
+    before = sent_on_parts(envs)
+    envs.send(actions)
+    assert sent_on_parts(envs) == before + 1
+
+
 def replay(fns, k, mode, rounds, seed, whole_only):
     """Drive send/recv with random batch sizes and subsets; check each env against its own
     Gymnasium loop. Returns the batches sent on the parts plane and the sends."""
@@ -118,12 +129,7 @@ def test_a_worker_killed_on_the_parts_plane_comes_back_as_a_flagged_truncation()
     with MultiEnv([functools.partial(SleepyEnv, 0.2)] * 4, envs_per_worker=2) as envs:
         envs.reset(seed=0)
         ones = np.ones(4, dtype=np.int64)
-        for _ in range(2):  # the first answer brings the info's keys
-            envs.send(ones)
-            envs.recv()
-        before = sent_on_parts(envs)
-        envs.send(ones)
-        assert sent_on_parts(envs) == before + 1
+        send_warm(envs, ones)
         os.kill(envs.envs[0].pid, signal.SIGKILL)
         obs, rewards, _, truncations, infos = envs.recv()
         assert truncations.tolist() == [True, True, False, False]
@@ -139,12 +145,7 @@ def test_a_worker_hung_on_the_parts_plane_is_killed_at_its_deadline():
     with MultiEnv(fns, envs_per_worker=2, step_timeout=0.5) as envs:
         envs.reset(seed=0)
         ones = np.ones(4, dtype=np.int64)
-        for _ in range(2):
-            envs.send(ones)
-            envs.recv()
-        before = sent_on_parts(envs)
-        envs.send(ones)
-        assert sent_on_parts(envs) == before + 1
+        send_warm(envs, ones)
         *_, infos = envs.recv(batch_size=2)
         assert infos["env_id"].tolist() == [0, 1]  # not held back by the hung worker
         _, rewards, _, truncations, infos = envs.recv(timeout=30)
@@ -159,10 +160,7 @@ def test_recv_timeout_on_the_parts_plane_loses_nothing():
     with MultiEnv(fns, envs_per_worker=2) as envs:
         envs.reset(seed=0)
         ones = np.ones(4, dtype=np.int64)
-        for _ in range(2):
-            envs.send(ones)
-            envs.recv()
-        envs.send(ones)
+        send_warm(envs, ones)
         with pytest.raises(TimeoutError, match="2 of the 4 envs ready"):
             envs.recv(timeout=0.2)
         with pytest.raises(EnvStateError, match=r"envs \[0, 1, 2, 3\] are in flight"):
@@ -201,12 +199,7 @@ def test_an_env_error_on_the_parts_plane_is_raised_and_the_other_steps_are_kept(
     with MultiEnv(fns, envs_per_worker=2) as envs:
         envs.reset(seed=0)
         ones = np.ones(4, dtype=np.int64)
-        for _ in range(2):
-            envs.send(ones)
-            envs.recv()
-        before = sent_on_parts(envs)
-        envs.send(ones)
-        assert sent_on_parts(envs) == before + 1
+        send_warm(envs, ones)
         with pytest.raises(EnvError, match="env 2: step\\(\\) raised ValueError"):
             envs.recv()
         obs, rewards, *_, infos = envs.recv()  # the envs that stepped
@@ -222,10 +215,7 @@ def test_after_a_death_an_envpool_loop_goes_back_to_the_parts_plane():
     with MultiEnv([functools.partial(SleepyEnv, 0.05)] * 4, envs_per_worker=2) as envs:
         envs.reset(seed=0)
         ones = np.ones(4, dtype=np.int64)
-        for _ in range(2):
-            envs.send(ones)
-            envs.recv()
-        envs.send(ones)
+        send_warm(envs, ones)
         os.kill(envs.envs[0].pid, signal.SIGKILL)
         truncated = []
         before = sent_on_parts(envs)
