@@ -42,7 +42,6 @@ from multienv.wire.protocol import Batch, BatchResult, Reply, Request, StepPlan
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from multienv.supervision.supervisor import WorkerSupervisor
     from multienv.supervision.worker_stats import VectorCounters
     from multienv.wire.autoreset import Autoreset
 
@@ -205,6 +204,40 @@ class SharedMemoryLink(VectorLink, Protocol):
         """The vector's healthy step in one pass, or None if the link has none for it."""
 
 
+class PlannedWorker(Protocol):
+    """What a data plane uses of one worker's supervisor (``WorkerSupervisor`` is one).
+
+    Attributes:
+        handle: The transport to the worker.
+        changes: The change counter a vector's workers share (``data_plane``).
+        stats: The worker's counters (``WorkerStats``).
+    """
+
+    handle: WorkerHandle
+    changes: list[int]
+    stats: Any
+
+    @property
+    def is_recycling(self) -> bool:
+        """Whether the worker has a recycle policy."""
+
+    @property
+    def timeouts(self) -> tuple[float | None, float | None]:
+        """Its step and reset timeouts, in seconds."""
+
+    def can_take_planned(self) -> bool:
+        """Whether its part of a planned step can go as is."""
+
+    def note_success(self) -> None:
+        """A planned step the data plane collected came back clean."""
+
+    def take_planned(self, plan: StepPlan, env_slice: slice, sent_at: float) -> float | None:
+        """Its part of a planned step is in flight; returns its deadline."""
+
+    def finish(self) -> tuple[BatchResult | None, dict[int, Exception]]:
+        """Collect its batch or part: the result, and errors by item."""
+
+
 @dataclasses.dataclass(frozen=True)
 class VectorParts:
     """What a vector gives its link's data plane: its workers, and the state it keeps.
@@ -218,7 +251,7 @@ class VectorParts:
         add_info: Gymnasium's ``_add_info`` for the vector's size.
     """
 
-    supervisors: Sequence[WorkerSupervisor]
+    supervisors: Sequence[PlannedWorker]
     env_slices: Sequence[slice]
     autoreset: Autoreset
     counters: VectorCounters
@@ -227,7 +260,13 @@ class VectorParts:
 
 
 class DataPlane(Protocol):
-    """A vector's healthy step: send it to every worker, then receive it as arrays."""
+    """A vector's healthy step: send it to every worker, then receive it as arrays.
+
+    Attributes:
+        parts: ``send``/``recv`` of whole workers the same way, if the link has it.
+    """
+
+    parts: PartsPlane | None
 
     def send(self, actions: Any) -> bool:
         """Send a step of every env; False, sending nothing, if it cannot go this way now."""
@@ -244,9 +283,6 @@ class DataPlane(Protocol):
 
     def interrupt(self) -> None:
         """An exception stopped the step in flight: hand it over to the supervisors."""
-
-    def open_parts(self) -> PartsPlane:
-        """The same workers' ``send``/``recv`` of whole workers in one pass."""
 
 
 class PartsPlane(Protocol):

@@ -33,9 +33,8 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from multienv.backends.subprocess.parts_plane import PartsPlane
 from multienv.backends.subprocess.process_handle import ProcessHandle
-from multienv.supervision.handles import StepBatch, VectorParts
+from multienv.supervision.handles import PartsPlane, StepBatch, VectorParts
 from multienv.wire.framing import (
     IS_AUTORESET,
     IS_INFO_COLUMNS,
@@ -73,7 +72,6 @@ class DataPlane:
         self._done_read, self._quiet_read, self._tokens_write, _ = shared.done.pipes()
         num_workers, num_envs = len(supervisors), shared.num_envs
         self._shared = shared
-        self._vector = vector
         self._supervisors = list(supervisors)
         self._env_slices = list(env_slices)
         self._autoreset = autoreset
@@ -92,6 +90,7 @@ class DataPlane:
             supervisor.changes = self._changes
         self._checked = -1  # the change count when the workers were last checked
         self._is_parts = False  # send()/recv() of some workers went by since (``parts_plane``)
+        self.parts: PartsPlane | None = None  # the same workers' send()/recv(); the link's
         self._tokens = bytes(num_workers - 1)  # none for a lone worker: it wakes the parent
         self._frame = PLANNED_FRAMES[num_workers > 1]
         self._records_bytes = 4 * num_workers + 64  # more than a step's records
@@ -246,10 +245,6 @@ class DataPlane:
     def is_in_flight(self) -> bool:
         """Whether a step was sent and not yet received."""
         return self._actions_sent is not None
-
-    def open_parts(self) -> PartsPlane:
-        """The same workers' ``send``/``recv`` of whole workers in one pass (``parts_plane``)."""
-        return PartsPlane(self, self._shared, self._vector)
 
     def enter_parts(self) -> bool:
         """Ready the workers for ``send``/``recv`` on the parts plane; False if they are not.

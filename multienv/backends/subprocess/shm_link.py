@@ -19,6 +19,7 @@ from gymnasium.error import CustomSpaceError
 from gymnasium.vector.utils import create_shared_memory
 
 from multienv.backends.subprocess.data_plane import DataPlane
+from multienv.backends.subprocess.parts_plane import PartsPlane
 from multienv.backends.subprocess.process_handle import ProcessHandle
 from multienv.backends.subprocess.process_launch import poll_ms
 from multienv.supervision.handles import VectorLink, VectorParts, WorkerHandle
@@ -180,14 +181,17 @@ class SubprocessLink:
         """The vector's healthy step in one pass (``data_plane``), if its layout allows one.
 
         It needs planned steps (array spaces, each worker a run of the vector's envs in
-        order) and all workers in one slice.
+        order) and all workers in one slice. Its ``parts`` is the parts plane of the same
+        workers (``parts_plane``), for ``send``/``recv``.
         """
         if not self.can_plan or self._shared is None:
             return None
         try:
-            return DataPlane(self._shared, vector)
+            plane = DataPlane(self._shared, vector)
         except ValueError:  # several slices: the vector collects on several threads
             return None
+        plane.parts = PartsPlane(plane, self._shared, vector)
+        return plane
 
     def merge_info_columns(
         self, pickled: dict[int, dict[str, Any]], fresh: slice | np.ndarray, add_info: AddInfo
