@@ -13,7 +13,6 @@ from multienv.supervision.factory import (
     pickle_env_fn,
     warn_unbounded_batches,
 )
-from multienv.supervision.options import SupervisorOptions, check_options
 from tests.envs import CountingEnv
 
 
@@ -24,20 +23,6 @@ def test_a_factory_must_be_a_picklable_callable_and_the_error_names_the_env():
     lock = threading.Lock()
     with pytest.raises(TypeError, match=r"env 1: env_fn .* cannot be pickled with cloudpickle"):
         pickle_env_fn(lambda: lock, 1)
-
-
-def test_timeouts_are_positive_or_none():
-    SupervisorOptions(step_timeout=None, reset_timeout=0.5).check(0)
-    with pytest.raises(ValueError, match="env 2: step_timeout must be > 0 or None, got 0"):
-        SupervisorOptions(step_timeout=0).check(2)
-
-
-def test_supervisor_options_take_their_own_keywords_and_leave_the_others():
-    options = SupervisorOptions.of({"step_timeout": 2.0, "pin_cpu": True})
-    assert options == SupervisorOptions(step_timeout=2.0)
-    assert "close_timeout_s" in SupervisorOptions.names()
-    with pytest.raises(TypeError, match=r"f\(\) got unexpected keyword argument\(s\) \['x'\]"):
-        check_options("f", {"x", "step_timeout"}, SupervisorOptions.names())
 
 
 def test_step_timeout_with_several_envs_per_worker_and_no_reset_timeout_is_warned(caplog):
