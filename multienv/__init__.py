@@ -17,6 +17,7 @@ from multienv.errors import (
     MultiEnvError,
 )
 from multienv.evaluation import EvaluationResult, evaluate
+from multienv.placement import WorkerPlacement
 from multienv.recycle import RecyclePolicy
 from multienv.registration import make_vec
 from multienv.restart import RestartPolicy
@@ -42,6 +43,7 @@ __all__ = [
     "RemoteTraceback",
     "RestartPolicy",
     "SubprocessEnv",
+    "WorkerPlacement",
     "__version__",
     "create_ray_envs",
     "create_subprocess_envs",

@@ -639,6 +639,9 @@ class EnvironEcho(CountingEnv):
     def getenv(self, name: str) -> str | None:
         return os.environ.get(name)
 
+    def affinity(self) -> list[int]:
+        return sorted(os.sched_getaffinity(0))
+
 
 class FragmentingEnv(CountingEnv):
     """Each reset allocates 32 MiB in 4 KiB arrays and keeps one in 32, like a sim's loader.

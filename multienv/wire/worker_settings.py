@@ -73,6 +73,9 @@ class WorkerSettings:
             were born that size), where it would cost about 13 ms a worker.
         spin_s: How long the worker polls for its next request before it sleeps; 0 (the
             default) sleeps at once.
+        extra_env: The worker's own environment variables (``WorkerPlacement.env``), set
+            before the thread counts.
+        cpus: The CPUs the worker may run on (``WorkerPlacement.cpus``); None: ``cpu``.
     """
 
     thread_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -80,6 +83,8 @@ class WorkerSettings:
     unset: tuple[str, ...] = ()
     limit_pools: bool = True
     spin_s: float = 0.0
+    extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cpus: tuple[int, ...] | None = None
 
     def for_fork_from(
         self, born_with: Mapping[str, str], environ: Mapping[str, str]
@@ -128,6 +133,7 @@ class WorkerSettings:
 
     def apply(self) -> None:
         """WORKER SIDE: set the variables, limit the loaded pools, pin the process."""
+        os.environ.update(self.extra_env)
         os.environ.update(self.thread_env)
         for name in self.unset:
             os.environ.pop(name, None)
@@ -141,5 +147,7 @@ class WorkerSettings:
             env = {name: int(self.thread_env.get(name, default)) for name in THREAD_VARIABLES}
             blas = min(env[name] for name in THREAD_VARIABLES[1:])
             threadpool_limits(limits={"openmp": env["OMP_NUM_THREADS"], "blas": blas})
-        if self.cpu is not None:
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
+        elif self.cpu is not None:
             os.sched_setaffinity(0, {self.cpu})

@@ -30,6 +30,7 @@ from multienv.backends.subprocess.process_handle import ProcessHandle
 from multienv.backends.subprocess.process_launch import WorkerRecipe
 from multienv.backends.subprocess.shm_link import open_subprocess_link
 from multienv.errors import raised_here
+from multienv.placement import WorkerPlacement, placements_for
 from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 from multienv.supervision.env_proxy import RemoteEnv
@@ -185,6 +186,9 @@ class SubprocessEnv(RemoteEnv):
             when the workers would outnumber the cores. When a vector's workers leave a
             core to spare, the parent polls for the workers' answers the same way, keeping
             that core busy too; see docs/performance.rst.
+        placement: The worker's own environment variables and CPUs (``WorkerPlacement``),
+            kept across respawns. ``create_subprocess_envs`` and ``MultiEnv`` also take a
+            list of one per worker, or a function of the worker's index.
     """
 
     def __init__(
@@ -205,6 +209,7 @@ class SubprocessEnv(RemoteEnv):
         blas_threads: int | None = 1,
         pin_cpu: bool | None = None,
         wait: str = "sleep",
+        placement: WorkerPlacement | None = None,
     ) -> None:
         """Check the options and pickle ``env_fn``; no process is started yet."""
         supervision = SupervisorOptions(
@@ -224,6 +229,7 @@ class SubprocessEnv(RemoteEnv):
             blas_threads=blas_threads,
             pin_cpu=pin_cpu,
             wait=wait,
+            placement=placement,
         )
         super().__init__(_supervise([env_fn], env_index, options), 0)
 
@@ -243,6 +249,7 @@ class SubprocessOptions:
     blas_threads: int | None = 1
     pin_cpu: bool | None = None
     wait: str = "sleep"
+    placement: Any = None  # a WorkerPlacement, a list of one per worker, or a function
 
     @classmethod
     def of(cls, owner: str, options: Mapping[str, Any]) -> SubprocessOptions:
@@ -275,17 +282,33 @@ def _supervise(
     is_probe: bool = False,
     parent_spin: bool = False,
     pin: Pin | None = None,
+    placement: WorkerPlacement | None = None,
 ) -> WorkerSupervisor:
     """Check the options, pickle the factories and build one worker's handle and supervisor.
 
     ``parent_spin``: the handle polls for ``SPIN_S`` before it sleeps on the worker (a hot
     vector's choice, ``parent_spins``). ``pin``: the worker's CPU, as its vector planned it;
-    a lone worker with ``pin_cpu=True`` claims one.
+    a lone worker with ``pin_cpu=True`` claims one. ``placement``: the worker's own, as its
+    vector resolved it; a lone worker's is ``options.placement``.
     """
     preload_names = _checked_preload(options.preload, f"env {first_env_index}")
+    if placement is None and options.placement is not None:
+        placement = placements_for(options.placement, 1)[0]
+    own_env = {} if placement is None else dict(placement.env)
+    environ = {**os.environ, **own_env}  # its own thread variables win, as the user's do
     # Checked before a lone worker claims its CPU, which a bad option would leave held.
-    settings = WorkerSettings.decide(options.blas_threads, None, first_env_index, wait=options.wait)
+    settings = WorkerSettings.decide(
+        options.blas_threads, None, first_env_index, environ, wait=options.wait
+    )
     options.supervision.check(first_env_index)
+    if placement is not None:
+        if placement.cpus is not None and options.pin_cpu:
+            raise ValueError(
+                f"env {first_env_index}: pin_cpu=True and WorkerPlacement.cpus both place "
+                "the worker; pass one of them"
+            )
+        cpus = None if placement.cpus is None else tuple(placement.cpus)
+        settings = dataclasses.replace(settings, extra_env=own_env, cpus=cpus)
     if pin is None and options.pin_cpu:
         pin = plan_pins(True, 1)[0]
     if pin is not None:
@@ -298,7 +321,7 @@ def _supervise(
         # Pools born the right size in the forkserver need no resizing in its workers.
         is_forkserver = resolved.get_start_method() == "forkserver"
         born_with = (forkserver_thread_env() or {}) if is_forkserver else {}
-        worker_settings = settings.for_fork_from(born_with, os.environ)
+        worker_settings = settings.for_fork_from(born_with, environ)
         recipe = WorkerRecipe(
             resolved, env_fn_bytes, first_env_index, options.daemon, worker_settings, is_probe
         )
@@ -336,6 +359,7 @@ def create_subprocess_envs(
     probe = parent_spin = False
     num_workers = 0
     pins: list[Pin | None] = []
+    placements: list[WorkerPlacement | None] = []
     if (
         not isinstance(envs_per_worker, bool)
         and isinstance(envs_per_worker, int)
@@ -345,12 +369,23 @@ def create_subprocess_envs(
         check_spinners(options.wait, num_workers)
         parent_spin = parent_spins(options.wait, num_workers)
         probe = bool(env_fns) and _should_probe(num_workers, options)
+        placements = placements_for(options.placement, num_workers, envs_per_worker)
+        placed = [p for p in placements if p is not None and p.cpus is not None]
+        if placed and options.pin_cpu:
+            raise ValueError(
+                "pin_cpu=True and WorkerPlacement.cpus both place the workers; pass one of them"
+            )
         # One free CPU each, claimed machine-wide (cpu_claims); after the checks above.
-        pins = plan_pins(options.pin_cpu, num_workers)
+        # Workers placed on CPUs of the user's choice are not pinned, and claim none.
+        pins = [] if placed else plan_pins(options.pin_cpu, num_workers)
 
     def supervise_worker(fns: Sequence[EnvFn], first: int) -> WorkerSupervisor:
-        pin = pins[first // envs_per_worker] if pins else None
-        return _supervise(fns, first, options, parent_spin=parent_spin, pin=pin)
+        number = first // envs_per_worker
+        pin = pins[number] if pins else None
+        placement = placements[number] if placements else None
+        return _supervise(
+            fns, first, options, parent_spin=parent_spin, pin=pin, placement=placement
+        )
 
     try:
         envs = create_envs(
