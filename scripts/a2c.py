@@ -479,7 +479,7 @@ def main(args: Args) -> int:
                 grads, losses = model.gradients(part, args)
                 model.apply(grads, args, recorder.env_steps)
             # Logging
-            recorder.progress(total_restarts(envs))
+            recorder.progress(total_restarts(envs), timing=getattr(envs, "timing", None))
         restarts = total_restarts(envs)
     finally:
         envs.close()

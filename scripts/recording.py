@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,19 +67,30 @@ class Recorder:
     def is_solved(self) -> bool:
         return len(self.recent) == self.args.window and self.mean_return >= self.args.target_return
 
-    def progress(self, restarts: int, force: bool = False) -> None:
+    def progress(
+        self,
+        restarts: int,
+        force: bool = False,
+        timing: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """Print a progress line when one is due.
+
+        ``timing``: the vector's ``timing``; its split since the last line shows how
+        env-bound the run is.
+        """
         env_steps = self.env_steps
         now = time.perf_counter()
         if not force and now - self.last_print < self.args.progress_every_s:
             return
         self.last_print = now
         rate = env_steps / max(now - self.began, 1e-9)
+        bound = f"  env-bound {timing()['env_bound']:4.0%}" if timing is not None else ""
         is_tty = sys.stderr.isatty()  # redraw one line on a terminal, else one line each
         print(
             "\r" if is_tty else "",
             f"steps {env_steps:>9,}  {rate:>7,.0f} steps/s  "
             f"episodes {len(self.rows):>5}  mean return {self.mean_return:7.1f}  "
-            f"restarts {restarts}",
+            f"restarts {restarts}{bound}",
             sep="",
             end="" if is_tty else "\n",
             file=sys.stderr,

@@ -14,6 +14,7 @@ class Host:
 
     def __init__(self, rss_mb=10.0):
         self.steps = self.episodes = 0
+        self.recycle_s = 0.0
         self.rss = rss_mb
         self.pid = 100
         self.calls = []
@@ -94,6 +95,7 @@ def test_due_it_is_swapped_when_a_batch_resets_every_env_and_the_resets_are_flag
     recycler.after(sent, result((True, False), ended))
     sent = recycler.before(resets())
     assert host.calls == ["prestart", "replace_worker", "note_recycle"]
+    assert host.recycle_s > 0  # the time the swap took, for MultiEnv.timing()
     assert sent.np_randoms == ["rng kept at its end", "rng of 1"]  # the same random numbers
     reset_result = result()
     recycler.after(sent, reset_result)

@@ -144,16 +144,20 @@ class WorkerLife:
         Raises:
             EnvCrashLoopError: The budget is spent (``EnvCrashedError`` if it allows none).
         """
-        while True:
-            if self.is_closing.is_set() or self.is_abandoned:  # seen dying as it is closed
-                raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
-            self._bury(cause)
-            self.spawn()
-            next_cause = self._handshake()
-            if next_cause is None:
-                self.set_state(EnvState.READY)
-                return
-            cause = next_cause
+        began = time.perf_counter()
+        try:
+            while True:
+                if self.is_closing.is_set() or self.is_abandoned:  # seen dying as it is closed
+                    raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
+                self._bury(cause)
+                self.spawn()
+                next_cause = self._handshake()
+                if next_cause is None:
+                    self.set_state(EnvState.READY)
+                    return
+                cause = next_cause
+        finally:
+            self._stats.restart_s += time.perf_counter() - began
 
     def envs_text(self) -> str:
         """``env 3`` or ``envs 3-5``: the worker's envs, for messages."""

@@ -221,6 +221,7 @@ class Recycler:
         host.replace_worker()
         self._rngs = {position: rng for position, rng in enumerate(rngs) if rng is not None}
         host.stats.note_recycle()
+        host.stats.recycle_s += time.perf_counter() - began
         self._recycled = dict.fromkeys(range(host.num_envs), reason)
         logger.info(
             "%s: recycled worker pid %s (%s) for pid %s in %.1f ms",

@@ -39,6 +39,8 @@ class WorkerStats:
         self.vector: VectorCounters | None = None  # whose views steps and episodes are
         self.restarts = 0
         self.recycles = 0
+        self.restart_s = 0.0  # time spent respawning after deaths (``WorkerLife.respawn``)
+        self.recycle_s = 0.0  # time spent swapping in fresh workers (``Recycler``)
         self.last_failure: str | None = None
         self._born_at = (0, 0)  # steps and episodes counted when the current worker started
 

@@ -12,6 +12,7 @@ methods in ``planning.PlanningApi``, and ``send``/``recv`` in ``send_recv.SendRe
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -51,11 +52,13 @@ from multienv.vector.fan_out import (
 )
 from multienv.vector.planning import PlanningApi
 from multienv.vector.send_recv import InFlight, SendRecvApi
+from multienv.vector.timing import CallClock
 from multienv.wire.autoreset import Autoreset
 from multienv.wire.protocol import StepPlan
 from multienv.wire.space_bounds import lean_batch_space
 
 logger = logging.getLogger(__name__)
+_now = time.perf_counter
 
 
 class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
@@ -192,6 +195,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         self._pending_reset: tuple[list[Future[ByWorker]], np.ndarray] | None = None
         self._plan: StepPlan | None = None  # the planned step in flight, if it is one
         self._in_flight = InFlight(self._fan_out, self._assembly, self._autoreset)
+        self._clock = CallClock()  # the caller's time in the vector's calls (``timing``)
         # Planned steps (one vector op for all envs) need each worker's envs as one slice,
         # in position order, and a link that plans; the workers' counters then become views.
         self._plan_link = self._link if isinstance(self._link, SharedMemoryLink) else None
@@ -245,9 +249,13 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
                 of N dicts (or None), env i getting ``options[i]`` (the env-manager
                 ``reset_param`` idea), which resets every env.
         """
-        self._check_idle("reset")
-        make_batch, mask = self._prepare_reset(seed, options)
-        return self._finish_reset(self._fan_out.run(make_batch), mask)
+        began = _now()
+        try:
+            self._check_idle("reset")
+            make_batch, mask = self._prepare_reset(seed, options)
+            return self._finish_reset(self._fan_out.run(make_batch), mask)
+        finally:
+            self._clock.in_calls_s += _now() - began
 
     def reset_async(
         self,
@@ -258,9 +266,13 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
 
         The arguments are those of ``reset``; bad ones raise here, before anything is sent.
         """
-        self._check_idle("reset_async")
-        make_batch, mask = self._prepare_reset(seed, options)
-        self._pending_reset = (self._fan_out.submit_slices(make_batch), mask)
+        began = _now()
+        try:
+            self._check_idle("reset_async")
+            make_batch, mask = self._prepare_reset(seed, options)
+            self._pending_reset = (self._fan_out.submit_slices(make_batch), mask)
+        finally:
+            self._clock.in_calls_s += _now() - began
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """Wait for the reset sent by ``reset_async()``.
@@ -273,16 +285,20 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         Raises:
             gymnasium.error.NoAsyncCallError: No ``reset_async()`` is pending.
         """
-        if self.closed:
-            raise ClosedEnvironmentError("MultiEnv.reset_wait() called after close().")
-        if self._pending_reset is None:
-            raise NoPendingCallError(
-                "Calling `reset_wait` without any prior call to `reset_async`.", "reset"
-            )
-        futures, mask = self._pending_reset
-        outcome = collect_slices(futures, timeout, "reset")
-        self._pending_reset = None
-        return self._finish_reset(outcome, mask)
+        began = _now()
+        try:
+            if self.closed:
+                raise ClosedEnvironmentError("MultiEnv.reset_wait() called after close().")
+            if self._pending_reset is None:
+                raise NoPendingCallError(
+                    "Calling `reset_wait` without any prior call to `reset_async`.", "reset"
+                )
+            futures, mask = self._pending_reset
+            outcome = collect_slices(futures, timeout, "reset")
+            self._pending_reset = None
+            return self._finish_reset(outcome, mask)
+        finally:
+            self._clock.in_calls_s += _now() - began
 
     def _prepare_reset(self, seed: Any, options: Any) -> tuple[MakeBatch, np.ndarray]:
         """Check a reset's arguments; the batch of each worker, and the mask of envs reset."""
@@ -300,40 +316,50 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Step every env with its action; see the module docstring of ``autoreset``."""
-        plane = self._data_plane
-        # Closed, a send() in flight, a death...: the data plane refuses, as its workers say
-        # (``data_plane``); what runs on the pool it cannot see.
-        if (
-            plane is not None
-            and self._pending is None
-            and self._pending_reset is None
-            and plane.send(actions)
-        ):
-            return self._receive_planned(plane, None)
-        make_batch = self._prepare_step(actions)
-        if self._is_limited():
-            assert self.max_concurrency is not None
-            return self._finish_step(self._fan_out.run_limited(make_batch, self.max_concurrency))
-        return self._finish_step(self._fan_out.run(make_batch))
+        began = _now()
+        try:
+            plane = self._data_plane
+            # Closed, a send() in flight, a death...: the data plane refuses, as its workers say
+            # (``data_plane``); what runs on the pool it cannot see.
+            if (
+                plane is not None
+                and self._pending is None
+                and self._pending_reset is None
+                and plane.send(actions)
+            ):
+                return self._receive_planned(plane, None)
+            make_batch = self._prepare_step(actions)
+            if self._is_limited():
+                assert self.max_concurrency is not None
+                return self._finish_step(
+                    self._fan_out.run_limited(make_batch, self.max_concurrency)
+                )
+            return self._finish_step(self._fan_out.run(make_batch))
+        finally:
+            self._clock.in_calls_s += _now() - began
 
     def step_async(self, actions: Any) -> None:
         """Send a step to every env and return at once; ``step_wait()`` collects it."""
-        plane = self._data_plane
-        if plane is not None:
-            self._check_idle("step_async")
-            if plane.send(actions):
-                self._pending = []  # nothing on the pool: the data plane's step is in flight
+        began = _now()
+        try:
+            plane = self._data_plane
+            if plane is not None:
+                self._check_idle("step_async")
+                if plane.send(actions):
+                    self._pending = []  # nothing on the pool: the data plane's step is in flight
+                    return
+            make_batch = self._prepare_step(actions, "step_async")
+            if self._is_limited():
+                assert self.max_concurrency is not None
+                self._pending = [
+                    self._fan_out.executor.submit(
+                        self._fan_out.run_limited, make_batch, self.max_concurrency
+                    )
+                ]
                 return
-        make_batch = self._prepare_step(actions, "step_async")
-        if self._is_limited():
-            assert self.max_concurrency is not None
-            self._pending = [
-                self._fan_out.executor.submit(
-                    self._fan_out.run_limited, make_batch, self.max_concurrency
-                )
-            ]
-            return
-        self._pending = self._fan_out.submit_slices(make_batch)
+            self._pending = self._fan_out.submit_slices(make_batch)
+        finally:
+            self._clock.in_calls_s += _now() - began
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Wait for the step sent by ``step_async()``.
@@ -342,18 +368,22 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             timeout: Seconds to wait; on expiry ``TimeoutError`` is raised and the step stays
                 in flight, so ``step_wait()`` may be called again.
         """
-        if self._pending is None:
-            raise NoPendingCallError(
-                "Calling `step_wait` without any prior call to `step_async`.", "step"
-            )
-        plane = self._data_plane
-        if not self._pending and plane is not None and plane.is_in_flight():
-            batch = self._receive_planned(plane, timeout)
+        began = _now()
+        try:
+            if self._pending is None:
+                raise NoPendingCallError(
+                    "Calling `step_wait` without any prior call to `step_async`.", "step"
+                )
+            plane = self._data_plane
+            if not self._pending and plane is not None and plane.is_in_flight():
+                batch = self._receive_planned(plane, timeout)
+                self._pending = None
+                return batch
+            outcome = collect_slices(self._pending, timeout, "step")
             self._pending = None
-            return batch
-        outcome = collect_slices(self._pending, timeout, "step")
-        self._pending = None
-        return self._finish_step(outcome)
+            return self._finish_step(outcome)
+        finally:
+            self._clock.in_calls_s += _now() - began
 
     def render(self) -> tuple[Any, ...]:
         """Return every env's ``render()`` result."""
@@ -397,6 +427,39 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             {"env_index": env_index, **proxy.supervisor.stats.row(proxy.position)}
             for env_index, proxy in enumerate(self.envs)
         ]
+
+    def timing(self, reset: bool = True) -> dict[str, Any]:
+        """Where the caller's time went since the vector was built or the last ``timing()``.
+
+        Always on: each call that waits for the envs (``step``, ``reset``, ``send``,
+        ``recv`` and their async halves) adds its own duration, with two clock reads.
+
+        Example:
+            >>> import gymnasium as gym, numpy as np
+            >>> from multienv import MultiEnv
+            >>> with MultiEnv([lambda: gym.make("CartPole-v1")] * 2) as envs:
+            ...     _ = envs.reset(seed=0)
+            ...     _ = envs.step(np.zeros(2, dtype=np.int64))
+            ...     split = envs.timing()
+            >>> 0.0 <= split["env_bound"] <= 1.0, len(split["workers"])
+            (True, 2)
+
+        Args:
+            reset: Start a new window now (the default); False reads the window so far.
+
+        Returns:
+            ``wall_s`` (the window), ``env_s`` (the caller's time in the vector's calls),
+            ``policy_s`` (the rest: the caller's own work between calls), ``env_bound``
+            (``env_s / wall_s``), the ``restarts`` and ``recycles`` of the window and
+            ``lost_s``, the time they took; ``slowest_workers`` (up to 3, by median step
+            latency) and ``workers``: per worker, its ``env_ids``, ``step_p50_s`` and
+            ``step_p99_s`` (over its recent steps; a vector's one-pass steps share one
+            latency for all its workers), ``restarts``, ``recycles`` and ``lost_s``.
+        """
+        groups = self._groups
+        return self._clock.report(
+            [group.supervisor for group in groups], [group.env_ids for group in groups], reset
+        )
 
     def close_extras(self, timeout: float | None = None, **kwargs: Any) -> None:
         """Close every worker in parallel, each bounded by ``timeout`` seconds.

@@ -24,6 +24,7 @@ from multienv.supervision.handles import PartsPlane
 from multienv.vector import vector_checks
 from multienv.vector.assembly import Assembly, StepBatch
 from multienv.vector.fan_out import FanOut, finish, raise_first
+from multienv.vector.timing import CallClock
 from multienv.wire.autoreset import Autoreset
 from multienv.wire.protocol import Batch, StepPlan
 
@@ -37,6 +38,7 @@ class SendRecvApi:
         _pending: Any
         _pending_reset: Any
         _in_flight: InFlight
+        _clock: CallClock
         _autoreset: Autoreset
 
         def _split_actions(self, actions: Any, env_ids: list[int] | None) -> Any: ...
@@ -68,12 +70,16 @@ class SendRecvApi:
             raise ClosedEnvironmentError("MultiEnv.send() called after close().")
         if self._pending is not None:
             raise EnvStateError("MultiEnv.send() called while a step_async() is pending.")
-        if self._pending_reset is None and self._in_flight.send_parts(actions, env_ids):
-            return  # whole workers, in one pass (``parts_plane``)
-        ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, self._in_flight.env_ids())
-        batch_actions = self._split_actions(actions, ids)
-        self._autoreset.check_can_step(ids)
-        self._in_flight.send(ids, batch_actions)
+        began = time.perf_counter()
+        try:
+            if self._pending_reset is None and self._in_flight.send_parts(actions, env_ids):
+                return  # whole workers, in one pass (``parts_plane``)
+            ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, self._in_flight.env_ids())
+            batch_actions = self._split_actions(actions, ids)
+            self._autoreset.check_can_step(ids)
+            self._in_flight.send(ids, batch_actions)
+        finally:
+            self._clock.in_calls_s += time.perf_counter() - began
 
     def recv(
         self, batch_size: int | None = None, timeout: float | None = None
@@ -91,7 +97,11 @@ class SendRecvApi:
         """
         if self.closed:
             raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
-        return self._in_flight.recv(batch_size, timeout)
+        began = time.perf_counter()
+        try:
+            return self._in_flight.recv(batch_size, timeout)
+        finally:
+            self._clock.in_calls_s += time.perf_counter() - began
 
 
 class InFlight:

@@ -1,0 +1,83 @@
+"""VECTOR API: where the caller's time goes: waiting for the envs, or between calls.
+
+A training loop alternates two things: calls into the vector (``step``, ``recv``,
+``reset``...), during which the caller waits for the envs, and its own work between them
+(the policy, the learner). ``CallClock`` adds up the first with two clock reads per call,
+always on; ``MultiEnv.timing()`` reports it against the wall time, with each worker's step
+latencies and the time its restarts and recycles took, so that one question has a number:
+is this run env-bound or policy-bound, and which workers are slow?
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+class CallClock:
+    """The caller's time inside the vector's calls, since it was built or last reported.
+
+    Attributes:
+        in_calls_s: Seconds spent in the vector's calls this window; each call adds its own.
+    """
+
+    def __init__(self) -> None:
+        """The window starts now."""
+        self.in_calls_s = 0.0
+        self._since = time.perf_counter()
+        self._counts: dict[int, tuple[int, int, float, float]] = {}  # by worker, at the start
+
+    def report(
+        self, supervisors: Sequence[Any], env_ids: Sequence[Sequence[int]], reset: bool
+    ) -> dict[str, Any]:
+        """The window's split, each worker's latencies and losses; a new window if ``reset``.
+
+        Args:
+            supervisors: The vector's workers' supervisors, by worker index.
+            env_ids: Each worker's envs in the vector.
+            reset: Start a new window now.
+        """
+        now = time.perf_counter()
+        wall_s = now - self._since
+        in_calls_s = min(self.in_calls_s, wall_s)
+        workers: list[dict[str, Any]] = []
+        for number, (supervisor, ids) in enumerate(zip(supervisors, env_ids, strict=True)):
+            stats = supervisor.stats
+            latencies = stats.latencies()
+            p50, p99 = np.percentile(latencies, [50, 99]) if latencies.size else (math.nan,) * 2
+            counts = (stats.restarts, stats.recycles, stats.restart_s, stats.recycle_s)
+            before = self._counts.get(number, (0, 0, 0.0, 0.0))
+            workers.append(
+                {
+                    "worker": number,
+                    "env_ids": list(ids),
+                    "step_p50_s": float(p50),
+                    "step_p99_s": float(p99),
+                    "restarts": counts[0] - before[0],
+                    "recycles": counts[1] - before[1],
+                    "lost_s": counts[2] + counts[3] - before[2] - before[3],
+                }
+            )
+            if reset:
+                self._counts[number] = counts
+        timed = [w for w in workers if not math.isnan(w["step_p50_s"])]
+        by_p50 = sorted(timed, key=lambda w: -float(w["step_p50_s"]))
+        report = {
+            "wall_s": wall_s,
+            "env_s": in_calls_s,
+            "policy_s": wall_s - in_calls_s,
+            "env_bound": in_calls_s / wall_s if wall_s > 0 else math.nan,
+            "restarts": sum(w["restarts"] for w in workers),
+            "recycles": sum(w["recycles"] for w in workers),
+            "lost_s": sum(w["lost_s"] for w in workers),
+            "slowest_workers": [w["worker"] for w in by_p50[:3]],
+            "workers": workers,
+        }
+        if reset:
+            self._since = now
+            self.in_calls_s = 0.0
+        return report

@@ -1,0 +1,65 @@
+"""timing: the caller's time split between waiting for the envs and its own work."""
+
+import functools
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from multienv import MultiEnv
+from tests.envs import CountingEnv, SleepyEnv
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_env_bound_share_is_what_the_caller_measures_itself():
+    # A known env cost (5 ms a step) and a known policy delay (15 ms): about 25% env-bound.
+    with MultiEnv([functools.partial(SleepyEnv, 0.005)] * 2) as envs:
+        envs.reset(seed=0)
+        actions = np.ones(2, dtype=np.int64)
+        envs.step(actions)
+        envs.timing()  # a new window from here
+        in_step = 0.0
+        began = time.perf_counter()
+        for _ in range(40):
+            t = time.perf_counter()
+            envs.step(actions)
+            in_step += time.perf_counter() - t
+            time.sleep(0.015)  # the policy
+        direct = in_step / (time.perf_counter() - began)
+        split = envs.timing()
+    assert 0.15 < direct < 0.45  # the setup is what it says
+    assert abs(split["env_bound"] - direct) < 0.05
+    assert split["env_s"] + split["policy_s"] == pytest.approx(split["wall_s"])
+    assert [w["env_ids"] for w in split["workers"]] == [[0], [1]]
+    assert split["workers"][0]["step_p50_s"] >= 0.005
+
+
+def test_a_window_counts_its_own_restarts_and_the_time_they_took():
+    with MultiEnv([CountingEnv] * 2) as envs:
+        envs.reset(seed=0)
+        actions = np.ones(2, dtype=np.int64)
+        envs.step(actions)
+        envs.timing()
+        os.kill(envs.envs[1].pid, signal.SIGKILL)
+        envs.step(actions)
+        split = envs.timing(reset=False)
+        assert split["restarts"] == 1
+        assert split["workers"][1]["restarts"] == 1
+        assert split["workers"][1]["lost_s"] > 0
+        assert split["workers"][0]["lost_s"] == 0
+        assert envs.timing()["restarts"] == 1  # reset=False left the window open
+        assert envs.timing()["restarts"] == 0  # a new window
+
+
+def test_send_and_recv_count_as_time_in_the_vector():
+    with MultiEnv([functools.partial(SleepyEnv, 0.02)] * 2) as envs:
+        envs.reset(seed=0)
+        envs.timing()
+        envs.send(np.ones(2, dtype=np.int64))
+        envs.recv()
+        split = envs.timing()
+    assert split["env_s"] >= 0.02
+    assert split["env_bound"] > 0.5
