@@ -143,6 +143,7 @@ class LatencyRing:
 
     def __init__(self, size: int = _LATENCY_WINDOW) -> None:
         """Start empty."""
+        self.total_s = 0.0  # the data plane's step latencies, summed (``MultiEnv.timing``)
         self.values = [0.0] * size
         self.size = size
         self.count = 0

@@ -195,7 +195,8 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         self._pending_reset: tuple[list[Future[ByWorker]], np.ndarray] | None = None
         self._plan: StepPlan | None = None  # the planned step in flight, if it is one
         self._in_flight = InFlight(self._fan_out, self._assembly, self._autoreset)
-        self._clock = CallClock()  # the caller's time in the vector's calls (``timing``)
+        # The caller's time in the vector's calls (``timing``), and in the data plane's steps.
+        self._clock = CallClock(self._assembly.counters.latencies)
         # Planned steps (one vector op for all envs) need each worker's envs as one slice,
         # in position order, and a link that plans; the workers' counters then become views.
         self._plan_link = self._link if isinstance(self._link, SharedMemoryLink) else None
@@ -316,18 +317,19 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Step every env with its action; see the module docstring of ``autoreset``."""
+        plane = self._data_plane
+        # Closed, a send() in flight, a death...: the data plane refuses, as its workers say
+        # (``data_plane``); what runs on the pool it cannot see. It times its own steps
+        # (``LatencyRing.total_s``), which ``timing()`` counts as time in the vector.
+        if (
+            plane is not None
+            and self._pending is None
+            and self._pending_reset is None
+            and plane.send(actions)
+        ):
+            return self._receive_planned(plane, None)
         began = _now()
         try:
-            plane = self._data_plane
-            # Closed, a send() in flight, a death...: the data plane refuses, as its workers say
-            # (``data_plane``); what runs on the pool it cannot see.
-            if (
-                plane is not None
-                and self._pending is None
-                and self._pending_reset is None
-                and plane.send(actions)
-            ):
-                return self._receive_planned(plane, None)
             make_batch = self._prepare_step(actions)
             if self._is_limited():
                 assert self.max_concurrency is not None
@@ -368,17 +370,17 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             timeout: Seconds to wait; on expiry ``TimeoutError`` is raised and the step stays
                 in flight, so ``step_wait()`` may be called again.
         """
+        if self._pending is None:
+            raise NoPendingCallError(
+                "Calling `step_wait` without any prior call to `step_async`.", "step"
+            )
+        plane = self._data_plane
+        if not self._pending and plane is not None and plane.is_in_flight():
+            batch = self._receive_planned(plane, timeout)  # timed by the data plane
+            self._pending = None
+            return batch
         began = _now()
         try:
-            if self._pending is None:
-                raise NoPendingCallError(
-                    "Calling `step_wait` without any prior call to `step_async`.", "step"
-                )
-            plane = self._data_plane
-            if not self._pending and plane is not None and plane.is_in_flight():
-                batch = self._receive_planned(plane, timeout)
-                self._pending = None
-                return batch
             outcome = collect_slices(self._pending, timeout, "step")
             self._pending = None
             return self._finish_step(outcome)

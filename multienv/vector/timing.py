@@ -2,10 +2,12 @@
 
 A training loop alternates two things: calls into the vector (``step``, ``recv``,
 ``reset``...), during which the caller waits for the envs, and its own work between them
-(the policy, the learner). ``CallClock`` adds up the first with two clock reads per call,
-always on; ``MultiEnv.timing()`` reports it against the wall time, with each worker's step
-latencies and the time its restarts and recycles took, so that one question has a number:
-is this run env-bound or policy-bound, and which workers are slow?
+(the policy, the learner). ``CallClock`` adds up the first, always on: two clock reads per
+call, except on the healthy step, whose data plane times it already (from its wake-ups to
+its results, summed in ``LatencyRing.total_s``) for one addition more.
+``MultiEnv.timing()`` reports it against the wall time, with each worker's step latencies
+and the time its restarts and recycles took, so that one question has a number: is this
+run env-bound or policy-bound, and which workers are slow?
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from multienv.supervision.worker_stats import LatencyRing
+
 
 class CallClock:
     """The caller's time inside the vector's calls, since it was built or last reported.
@@ -25,9 +29,11 @@ class CallClock:
         in_calls_s: Seconds spent in the vector's calls this window; each call adds its own.
     """
 
-    def __init__(self) -> None:
-        """The window starts now."""
+    def __init__(self, steps: LatencyRing) -> None:
+        """The window starts now; ``steps``: the vector's data-plane step latencies."""
         self.in_calls_s = 0.0
+        self._steps = steps
+        self._steps_s = steps.total_s  # their sum when the window started
         self._since = time.perf_counter()
         self._counts: dict[int, tuple[int, int, float, float]] = {}  # by worker, at the start
 
@@ -43,7 +49,7 @@ class CallClock:
         """
         now = time.perf_counter()
         wall_s = now - self._since
-        in_calls_s = min(self.in_calls_s, wall_s)
+        in_calls_s = min(self.in_calls_s + self._steps.total_s - self._steps_s, wall_s)
         workers: list[dict[str, Any]] = []
         for number, (supervisor, ids) in enumerate(zip(supervisors, env_ids, strict=True)):
             stats = supervisor.stats
@@ -80,4 +86,5 @@ class CallClock:
         if reset:
             self._since = now
             self.in_calls_s = 0.0
+            self._steps_s = self._steps.total_s
         return report

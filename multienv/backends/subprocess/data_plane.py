@@ -236,8 +236,10 @@ class DataPlane:
         else:
             observations = self._obs_slots[self._target]
         latencies = self._latencies
-        latencies.values[latencies.count % latencies.size] = time.perf_counter() - self._sent_at
+        elapsed = time.perf_counter() - self._sent_at
+        latencies.values[latencies.count % latencies.size] = elapsed
         latencies.count += 1
+        latencies.total_s += elapsed
         if self._is_unthanked:
             self.thank_workers()
         return observations, rewards, flags[0], flags[1], infos
