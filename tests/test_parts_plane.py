@@ -3,6 +3,7 @@
 import functools
 import os
 import signal
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -226,3 +227,29 @@ def test_after_a_death_an_envpool_loop_goes_back_to_the_parts_plane():
         assert truncated == [0, 1]
         assert sent_on_parts(envs) >= before + 5  # the first send after the death too
         envs.recv()
+
+
+def test_a_same_step_reset_kept_on_the_parts_plane_is_returned_once_after_a_hand_over():
+    # Envs 1 and 2 end every step; env 0 is slow. Both fast workers' replies (with their
+    # final observations) are read by one recv, which returns the first and keeps the
+    # other; a send the parts plane declines then hands the kept one over, done.
+    fns = [functools.partial(SleepyEnv, slow_s=0.5)] + [
+        functools.partial(CountingEnv, episode_length=1)
+    ] * 2
+    with MultiEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP) as envs:
+        envs.reset(seed=0)
+        envs.send(np.ones(3, dtype=np.int64))
+        time.sleep(0.2)  # the fast workers' records are both in before recv reads
+        *_, infos = envs.recv(batch_size=1)
+        (first,) = infos["env_id"].tolist()
+        assert first in (1, 2)
+        kept = 3 - first
+        with pytest.raises(ValueError, match="expected integer actions"):
+            envs.send(np.ones(1), [first])  # declined by the parts plane: all handed over
+        obs, _, terminations, _, infos = envs.recv()
+        assert infos["env_id"].tolist() == [0, kept]
+        assert terminations.tolist() == [False, True]
+        assert obs[:, 0].tolist() == [1.0, 0.0]  # the kept env: its new episode's first
+        assert infos["_final_obs"].tolist() == [False, True]
+        assert infos["final_obs"][1].tolist() == [1.0]  # its last step's, not a crash's
+        assert envs.stats()[kept]["episodes"] == 1

@@ -108,9 +108,10 @@ class PartsPlane:
         # By env, for the step in flight: its observation's slot, and whether it resets.
         self._targets = np.zeros(num_envs, dtype=np.int8)
         self._resets = np.zeros(num_envs, dtype=np.bool_)
-        # Done workers whose messages their supervisors read (and counted), and the infos.
+        # Done workers whose messages their supervisors read (and counted), and what the
+        # messages said beyond the shared arrays, by env (made infos when returned).
         self._counted = np.zeros(num_workers, dtype=np.bool_)
-        self._pickled: dict[int, dict[str, Any]] = {}
+        self._extras: dict[int, Outcome] = {}
         self.sent = 0  # batches of workers sent this way
 
     def is_busy(self) -> bool:
@@ -237,8 +238,8 @@ class PartsPlane:
             numbers = numbers[awaited]
             self._note_done(numbers[kinds == DONE_OK])
             replies = numbers[kinds != DONE_OK].tolist()
-            while replies:  # answered with a message too: its supervisor reads it
-                collected = self._collect_reply(replies.pop())
+            while replies:  # answered with a message too: its supervisor reads it, in order
+                collected = self._collect_reply(replies.pop(0))
                 if collected is not None:
                     return self._hand_over_all(collected)
                 replies += self._drained_by_control_plane()
@@ -281,8 +282,12 @@ class PartsPlane:
         else:
             observations = shared.observations(ids.tolist(), copy=True)
         pickled = {}
-        if self._pickled:
-            pickled = {i: self._pickled.pop(i) for i in ids.tolist() if i in self._pickled}
+        if self._extras:
+            step_info = self._autoreset.step_info
+            for row, env_index in enumerate(ids.tolist()):
+                extra = self._extras.pop(env_index, None)
+                if extra is not None:
+                    pickled[env_index] = step_info(extra, bool(ended[row]))[0]
         infos = _rows(shared.infos.merge(pickled, ids, self._add_info), ids)
         infos["env_id"] = ids.astype(np.int64)
         latencies = self._counters.latencies
@@ -304,7 +309,7 @@ class PartsPlane:
         """Have the worker's supervisor read its message; None if the worker stays here.
 
         It stays, done, when its message holds only infos (new keys, pickled ones, a
-        same-step reset's final observation): they wait for ``_take`` in ``_pickled``, and
+        same-step reset's final observation): they wait for ``_take`` in ``_extras``, and
         its supervisor has counted its steps. An env's error, a death after the record (the
         supervisor respawns and replays it) or anything else: its outcome, collected.
         """
@@ -323,14 +328,13 @@ class PartsPlane:
         outcome = (result, by_env)
         if errors or result is None or supervisor.stats.restarts != restarts:
             return {number: outcome}
-        infos = {}
         for item, extra in result.extras.items():
             is_done = bool(result.terminated[item] or result.truncated[item])
-            info, must_reset = self._autoreset.step_info(extra, is_done)
-            if must_reset:
+            if self._autoreset.step_info(extra, is_done)[1]:  # must reset now: a crash's
                 return {number: outcome}
-            infos[env_slice.start + item] = info
-        self._pickled.update(infos)
+        self._extras.update(
+            {env_slice.start + item: extra for item, extra in result.extras.items()}
+        )
         self._counted[number] = True
         self._note_done(np.array([number]))
         return None
@@ -442,9 +446,9 @@ class PartsPlane:
             info_columns=True,
         )
         for env_index in range(env_slice.start, env_slice.stop):
-            info = self._pickled.pop(env_index, None)
-            if info is not None:
-                result.extras[env_index - env_slice.start] = Outcome(info=info)
+            extra = self._extras.pop(env_index, None)
+            if extra is not None:  # as the worker said it: the vector makes it an info once
+                result.extras[env_index - env_slice.start] = extra
         return result, {}
 
 
