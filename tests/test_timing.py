@@ -63,3 +63,20 @@ def test_send_and_recv_count_as_time_in_the_vector():
         split = envs.timing()
     assert split["env_s"] >= 0.02
     assert split["env_bound"] > 0.5
+
+
+def test_the_slowest_worker_is_named_on_the_one_pass_step_too():
+    # One-pass steps share one round trip for all workers; each worker's own batch time,
+    # which it keeps in shared memory, tells them apart.
+    fns = [functools.partial(SleepyEnv, 0.001)] * 2 + [functools.partial(SleepyEnv, 0.03)]
+    with MultiEnv(fns) as envs:
+        envs.reset(seed=0)
+        for _ in range(5):
+            envs.step(np.ones(3, dtype=np.int64))
+        split = envs.timing()
+    assert envs._in_flight.parts is not None  # the vector stepped on its data plane
+    assert split["slowest_workers"][0] == 2
+    workers = split["workers"]
+    assert workers[2]["batch_p50_s"] >= 0.03
+    assert workers[0]["batch_p50_s"] < 0.02
+    assert workers[0]["step_p50_s"] >= 0.03  # its round trip waited for the slow worker

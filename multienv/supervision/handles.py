@@ -200,6 +200,9 @@ class SharedMemoryLink(VectorLink, Protocol):
     def row_infos(self, env_ids: np.ndarray) -> dict[int, dict[str, Any]]:
         """The infos in the rows of envs ``env_ids`` (whose workers answered), by env."""
 
+    def batch_times(self, worker_number: int) -> np.ndarray:
+        """The worker's own time on each of its latest batches in shared memory (s)."""
+
     def open_data_plane(self, vector: VectorParts) -> DataPlane | None:
         """The vector's healthy step in one pass, or None if the link has none for it."""
 

@@ -453,14 +453,22 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             ``wall_s`` (the window), ``env_s`` (the caller's time in the vector's calls),
             ``policy_s`` (the rest: the caller's own work between calls), ``env_bound``
             (``env_s / wall_s``), the ``restarts`` and ``recycles`` of the window and
-            ``lost_s``, the time they took; ``slowest_workers`` (up to 3, by median step
-            latency) and ``workers``: per worker, its ``env_ids``, ``step_p50_s`` and
-            ``step_p99_s`` (over its recent steps; a vector's one-pass steps share one
-            latency for all its workers), ``restarts``, ``recycles`` and ``lost_s``.
+            ``lost_s``, the time they took; ``slowest_workers`` (up to 3, by their own
+            median batch time, else by median step latency); and ``workers``: per worker,
+            its ``env_ids``; ``step_p50_s`` and ``step_p99_s``, over its recent steps (a
+            vector's one-pass steps share one latency for all its workers);
+            ``batch_p50_s`` and ``batch_p99_s``, the worker's own time on its latest
+            batches in shared memory, without the round trip (NaN where there are none);
+            and its ``restarts``, ``recycles`` and ``lost_s``.
         """
         groups = self._groups
+        link = self._plan_link
+        times = None if link is None else [link.batch_times(n) for n in range(len(groups))]
         return self._clock.report(
-            [group.supervisor for group in groups], [group.env_ids for group in groups], reset
+            [group.supervisor for group in groups],
+            [group.env_ids for group in groups],
+            reset,
+            times,
         )
 
     def close_extras(self, timeout: float | None = None, **kwargs: Any) -> None:

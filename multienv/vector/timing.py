@@ -38,7 +38,11 @@ class CallClock:
         self._counts: dict[int, tuple[int, int, float, float]] = {}  # by worker, at the start
 
     def report(
-        self, supervisors: Sequence[Any], env_ids: Sequence[Sequence[int]], reset: bool
+        self,
+        supervisors: Sequence[Any],
+        env_ids: Sequence[Sequence[int]],
+        reset: bool,
+        batch_times: Sequence[np.ndarray] | None = None,
     ) -> dict[str, Any]:
         """The window's split, each worker's latencies and losses; a new window if ``reset``.
 
@@ -46,6 +50,8 @@ class CallClock:
             supervisors: The vector's workers' supervisors, by worker index.
             env_ids: Each worker's envs in the vector.
             reset: Start a new window now.
+            batch_times: Each worker's own time on its latest batches, when it keeps them
+                (in shared memory); None when none does.
         """
         now = time.perf_counter()
         wall_s = now - self._since
@@ -54,7 +60,9 @@ class CallClock:
         for number, (supervisor, ids) in enumerate(zip(supervisors, env_ids, strict=True)):
             stats = supervisor.stats
             latencies = stats.latencies()
-            p50, p99 = np.percentile(latencies, [50, 99]) if latencies.size else (math.nan,) * 2
+            p50, p99 = _percentiles(latencies)
+            own = batch_times[number] if batch_times is not None else np.empty(0)
+            own_p50, own_p99 = _percentiles(own)
             counts = (stats.restarts, stats.recycles, stats.restart_s, stats.recycle_s)
             before = self._counts.get(number, (0, 0, 0.0, 0.0))
             workers.append(
@@ -63,6 +71,8 @@ class CallClock:
                     "env_ids": list(ids),
                     "step_p50_s": float(p50),
                     "step_p99_s": float(p99),
+                    "batch_p50_s": float(own_p50),
+                    "batch_p99_s": float(own_p99),
                     "restarts": counts[0] - before[0],
                     "recycles": counts[1] - before[1],
                     "lost_s": counts[2] + counts[3] - before[2] - before[3],
@@ -70,8 +80,13 @@ class CallClock:
             )
             if reset:
                 self._counts[number] = counts
-        timed = [w for w in workers if not math.isnan(w["step_p50_s"])]
-        by_p50 = sorted(timed, key=lambda w: -float(w["step_p50_s"]))
+        key = (
+            "batch_p50_s"
+            if any(not math.isnan(w["batch_p50_s"]) for w in workers)
+            else ("step_p50_s")
+        )
+        timed = [w for w in workers if not math.isnan(w[key])]
+        by_p50 = sorted(timed, key=lambda w: -float(w[key]))
         report = {
             "wall_s": wall_s,
             "env_s": in_calls_s,
@@ -88,3 +103,11 @@ class CallClock:
             self.in_calls_s = 0.0
             self._steps_s = self._steps.total_s
         return report
+
+
+def _percentiles(times: np.ndarray) -> tuple[float, float]:
+    """The median and the 99th percentile of ``times``; NaN for none."""
+    if not times.size:
+        return math.nan, math.nan
+    p50, p99 = np.percentile(times, [50, 99])
+    return float(p50), float(p99)

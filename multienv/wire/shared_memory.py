@@ -59,6 +59,7 @@ ARRAY_SPACES = (
     gym.spaces.MultiDiscrete,
 )
 _ALIGN = 64  # bytes; each array starts on its own cache line
+BATCH_TIMES = 64  # the batch times each worker keeps (``SlotWriter.note_batch_time``)
 _LARGE_OBS = 16 * 1024  # bytes of one env's observation; see SlotWriter.writes_each_obs
 _ALL = slice(None)
 Path = tuple[Any, ...]
@@ -128,6 +129,9 @@ class BatchLayout:
         # By worker index (a vector has at most num_envs workers).
         self._add(("seqs",), (num_envs,), np.dtype(np.uint8))
         self._add(("status",), (num_envs,), np.dtype(np.uint8))
+        # Each worker's own time per fast batch, its latest BATCH_TIMES (``MultiEnv.timing``).
+        self._add(("batch_s",), (num_envs, BATCH_TIMES), np.dtype(np.float64))
+        self._add(("batch_count",), (num_envs,), np.dtype(np.int64))
         self.size = max(self._size, 1)
 
     @staticmethod
@@ -173,12 +177,15 @@ class _Mapping:
         self.plan_flags = views[repr(("plan_flags",))]
         self.seqs = views[repr(("seqs",))]
         self.status = views[repr(("status",))]
+        self.batch_s = views[repr(("batch_s",))]
+        self.batch_count = views[repr(("batch_count",))]
 
     def release(self) -> None:
         """Drop the views and unmap, unless a caller still holds a view (then GC unmaps)."""
         self.obs, self.actions = {}, None
         self.rewards = self.flags = self.info_schema = self.info_cells = np.empty(0)
         self.plan_flags = self.seqs = self.status = np.empty(0, dtype=np.uint8)
+        self.batch_s, self.batch_count = np.empty((0, BATCH_TIMES)), np.empty(0, np.int64)
         try:
             self.memory.close()
         except BufferError:
@@ -304,6 +311,11 @@ class SharedBatch:
         """Each env's item flags in the planned step in flight (``framing``)."""
         return self._mapping.plan_flags
 
+    def batch_times(self, worker_number: int) -> np.ndarray:
+        """The worker's own time on each of its latest fast batches, in seconds (a copy)."""
+        count = int(self._mapping.batch_count[worker_number])
+        return self._mapping.batch_s[worker_number, : min(count, BATCH_TIMES)].copy()
+
     @property
     def status(self) -> np.ndarray:
         """By worker, the seq of the last planned step it answered with all in shared memory."""
@@ -394,6 +406,16 @@ class SlotWriter:
         self._is_discrete = isinstance(layout.action_space, gym.spaces.Discrete)
         self.infos = ColumnWriter(self._mapping.info_schema, self._mapping.info_cells)
         notifier.status = self._mapping.status  # a planned step's answer goes there too
+        # Memoryviews of this worker's row: a store costs a tenth of a numpy item's.
+        number = notifier.worker_number
+        self._times = self._mapping.batch_s[number].data
+        self._time_count = self._mapping.batch_count[number : number + 1].data
+
+    def note_batch_time(self, elapsed_s: float) -> None:
+        """Keep the time this worker spent on a fast batch, among its latest ones."""
+        count = self._time_count[0]
+        self._times[count % BATCH_TIMES] = elapsed_s
+        self._time_count[0] = count + 1
 
     def planned_items(self) -> tuple[int, list[tuple[int, int]]]:
         """The seq and ``(position, flags)`` items of the planned step the parent sent.

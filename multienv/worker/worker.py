@@ -60,6 +60,7 @@ from multienv.worker.runner import (
 )
 
 logger = logging.getLogger(__name__)
+_perf_counter = time.perf_counter
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -262,6 +263,7 @@ class _Loop:
         batches; ``is_planned``: a planned step, answered in the worker's status too.
         Kept free of per-env objects: on cheap envs the loop costs as much as the envs.
         """
+        began = _perf_counter()
         writer = self.writer
         assert writer is not None
         runner = self.runner
@@ -329,6 +331,7 @@ class _Loop:
             writer.write_many_obs(done_positions, slots, observations)
         writer.write_results(done_positions, rewards, terminations, truncations)
         schemas = columns.take_pending() if columns.pending else None
+        writer.note_batch_time(_perf_counter() - began)
         if not extras and schemas is None:
             writer.notifier.notify(seq, DONE_OK, is_counted, is_planned)
         else:

@@ -200,6 +200,12 @@ class SubprocessLink:
         assert self._shared is not None
         return self._shared.infos.merge(pickled, fresh, add_info)
 
+    def batch_times(self, worker_number: int) -> np.ndarray:
+        """The worker's own time on each of its latest batches in shared memory (s)."""
+        if self._shared is None:
+            return np.empty(0)
+        return self._shared.batch_times(worker_number)
+
     def row_infos(self, env_ids: np.ndarray) -> dict[int, dict[str, Any]]:
         """The infos in the rows of envs ``env_ids`` (whose workers answered), by env."""
         assert self._shared is not None
