@@ -51,6 +51,19 @@ _RECORDS_BYTES = 65536  # more than any slice's records of one step
 _HELD_STEPS = 256  # steps whose counts are held back before they are written
 
 
+def worker_budgets(steps: np.ndarray, resets: np.ndarray, timeouts: np.ndarray) -> np.ndarray:
+    """Per worker, the seconds its batch may take (inf: no deadline), vectorised.
+
+    ``supervisor.batch_deadline``'s rule for many workers at once: each step gets the step
+    timeout, each reset the reset timeout (``timeouts``: per worker, both; inf for none).
+    """
+    with np.errstate(invalid="ignore"):  # inf * 0: no such item, no time for it
+        budgets: np.ndarray = np.where(steps > 0, steps * timeouts[:, 0], 0.0) + np.where(
+            resets > 0, resets * timeouts[:, 1], 0.0
+        )
+    return budgets
+
+
 class DataPlane:
     """The healthy step of a vector of subprocess workers, each a run of its envs in order.
 
@@ -397,12 +410,7 @@ class DataPlane:
             resets = np.add.reduceat(ends, self._starts, dtype=np.int64)
         else:
             resets = np.zeros(len(self._starts), dtype=np.int64)
-        steps = self._sizes - resets
-        with np.errstate(invalid="ignore"):  # inf * 0: no such item, no time for it
-            budgets = np.where(steps > 0, steps * self._timeouts[:, 0], 0.0) + np.where(
-                resets > 0, resets * self._timeouts[:, 1], 0.0
-            )
-        earliest = float(budgets.min())
+        earliest = float(worker_budgets(self._sizes - resets, resets, self._timeouts).min())
         return None if math.isinf(earliest) else sent_at + earliest
 
     def _wait(self, timeout: float | None) -> list[tuple[int, int]]:

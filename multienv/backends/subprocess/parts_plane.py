@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from multienv.backends.subprocess.data_plane import worker_budgets
 from multienv.errors import WaitTimeoutError
 from multienv.wire.framing import (
     DONE_OK,
@@ -367,12 +368,7 @@ class PartsPlane:
     def _deadline_after(self, sent_at: float, workers: np.ndarray, timeouts: np.ndarray) -> Any:
         """When each sent worker is late: its envs' step and reset timeouts (inf: never)."""
         resets = np.add.reduceat(self._resets, self._starts, dtype=np.int64)[workers]
-        steps = self._sizes[workers] - resets
-        with np.errstate(invalid="ignore"):  # inf * 0: no such item, no time for it
-            budgets = np.where(steps > 0, steps * timeouts[workers, 0], 0.0) + np.where(
-                resets > 0, resets * timeouts[workers, 1], 0.0
-            )
-        return sent_at + budgets
+        return sent_at + worker_budgets(self._sizes[workers] - resets, resets, timeouts[workers])
 
     def _is_late(self) -> bool:
         flying = self._flying
