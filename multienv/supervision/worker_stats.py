@@ -179,7 +179,9 @@ class VectorCounters:
         stats.steps, stats.episodes = self.steps[index], self.episodes[index]
         stats.vector = self
 
-    def note_planned(self, index: slice, is_reset: np.ndarray, done: np.ndarray) -> None:
+    def note_planned(
+        self, index: slice | np.ndarray, is_reset: np.ndarray, done: np.ndarray
+    ) -> None:
         """Count envs ``index`` of a planned step that came back clean (``done``: ended)."""
         stepped = ~is_reset
         self.steps[index] += stepped

@@ -106,7 +106,8 @@ class PartsPlane:
         self._deadlines = np.full(num_workers, np.inf)
         self._finished = np.zeros(num_workers, dtype=np.int64)
         self._finish_count = 0
-        # By env, for the step in flight: its observation's slot, and whether it resets.
+        # By env, for the step in flight: its observation's slot, and whether it resets
+        # (only under next-step autoreset; else never set).
         self._targets = np.zeros(num_envs, dtype=np.int8)
         self._resets = np.zeros(num_envs, dtype=np.bool_)
         # Done workers whose messages their supervisors read (and counted), and what the
@@ -275,9 +276,10 @@ class PartsPlane:
         if self._counted[numbers].any():  # their supervisors counted them (``_collect_reply``)
             uncounted = ~self._counted[self._worker_of[ids]]
             self._counted[numbers] = False
-            self._count(ids[uncounted], ended[uncounted])
+            counted_ids = ids[uncounted]
+            self._counters.note_planned(counted_ids, self._resets[counted_ids], ended[uncounted])
         else:
-            self._count(ids, ended)
+            self._counters.note_planned(ids, self._resets[ids], ended)
         if self._obs_slots is not None:
             observations = self._obs_slots[targets, ids]
         else:
@@ -353,17 +355,6 @@ class PartsPlane:
                 else:
                     replies.append(number)
         return replies
-
-    def _count(self, ids: np.ndarray, ended: np.ndarray) -> None:
-        """Count the steps and episodes of envs ``ids``; ``ended``: whose episodes ended."""
-        counters = self._counters
-        if self._is_next_step:
-            stepped = ~self._resets[ids]
-            counters.steps[ids] += stepped
-            counters.episodes[ids] += stepped & ended
-        else:
-            counters.steps[ids] += 1
-            counters.episodes[ids] += ended
 
     def _deadline_after(self, sent_at: float, workers: np.ndarray, timeouts: np.ndarray) -> Any:
         """When each sent worker is late: its envs' step and reset timeouts (inf: never)."""
