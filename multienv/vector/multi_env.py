@@ -12,7 +12,6 @@ methods in ``planning.PlanningApi``, and ``send``/``recv`` in ``send_recv.SendRe
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -52,13 +51,12 @@ from multienv.vector.fan_out import (
 )
 from multienv.vector.planning import PlanningApi
 from multienv.vector.send_recv import InFlight, SendRecvApi
-from multienv.vector.timing import CallClock
+from multienv.vector.timing import CallClock, clocked
 from multienv.wire.autoreset import Autoreset
 from multienv.wire.protocol import StepPlan
 from multienv.wire.space_bounds import lean_batch_space
 
 logger = logging.getLogger(__name__)
-_now = time.perf_counter
 
 
 class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
@@ -235,6 +233,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
 
     # ----------------------------------------------------------------- vector API
 
+    @clocked
     def reset(
         self,
         *,
@@ -250,14 +249,11 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
                 of N dicts (or None), env i getting ``options[i]`` (the env-manager
                 ``reset_param`` idea), which resets every env.
         """
-        began = _now()
-        try:
-            self._check_idle("reset")
-            make_batch, mask = self._prepare_reset(seed, options)
-            return self._finish_reset(self._fan_out.run(make_batch), mask)
-        finally:
-            self._clock.in_calls_s += _now() - began
+        self._check_idle("reset")
+        make_batch, mask = self._prepare_reset(seed, options)
+        return self._finish_reset(self._fan_out.run(make_batch), mask)
 
+    @clocked
     def reset_async(
         self,
         seed: int | Sequence[int | None] | None = None,
@@ -267,14 +263,11 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
 
         The arguments are those of ``reset``; bad ones raise here, before anything is sent.
         """
-        began = _now()
-        try:
-            self._check_idle("reset_async")
-            make_batch, mask = self._prepare_reset(seed, options)
-            self._pending_reset = (self._fan_out.submit_slices(make_batch), mask)
-        finally:
-            self._clock.in_calls_s += _now() - began
+        self._check_idle("reset_async")
+        make_batch, mask = self._prepare_reset(seed, options)
+        self._pending_reset = (self._fan_out.submit_slices(make_batch), mask)
 
+    @clocked
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """Wait for the reset sent by ``reset_async()``.
 
@@ -286,20 +279,16 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         Raises:
             gymnasium.error.NoAsyncCallError: No ``reset_async()`` is pending.
         """
-        began = _now()
-        try:
-            if self.closed:
-                raise ClosedEnvironmentError("MultiEnv.reset_wait() called after close().")
-            if self._pending_reset is None:
-                raise NoPendingCallError(
-                    "Calling `reset_wait` without any prior call to `reset_async`.", "reset"
-                )
-            futures, mask = self._pending_reset
-            outcome = collect_slices(futures, timeout, "reset")
-            self._pending_reset = None
-            return self._finish_reset(outcome, mask)
-        finally:
-            self._clock.in_calls_s += _now() - began
+        if self.closed:
+            raise ClosedEnvironmentError("MultiEnv.reset_wait() called after close().")
+        if self._pending_reset is None:
+            raise NoPendingCallError(
+                "Calling `reset_wait` without any prior call to `reset_async`.", "reset"
+            )
+        futures, mask = self._pending_reset
+        outcome = collect_slices(futures, timeout, "reset")
+        self._pending_reset = None
+        return self._finish_reset(outcome, mask)
 
     def _prepare_reset(self, seed: Any, options: Any) -> tuple[MakeBatch, np.ndarray]:
         """Check a reset's arguments; the batch of each worker, and the mask of envs reset."""
@@ -328,40 +317,36 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             and plane.send(actions)
         ):
             return self._receive_planned(plane, None)
-        began = _now()
-        try:
-            make_batch = self._prepare_step(actions)
-            if self._is_limited():
-                assert self.max_concurrency is not None
-                return self._finish_step(
-                    self._fan_out.run_limited(make_batch, self.max_concurrency)
-                )
-            return self._finish_step(self._fan_out.run(make_batch))
-        finally:
-            self._clock.in_calls_s += _now() - began
+        return self._step_by_pool(actions)
 
+    @clocked
+    def _step_by_pool(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """The step by the general path: each worker's batch made, sent and collected."""
+        make_batch = self._prepare_step(actions)
+        if self._is_limited():
+            assert self.max_concurrency is not None
+            return self._finish_step(self._fan_out.run_limited(make_batch, self.max_concurrency))
+        return self._finish_step(self._fan_out.run(make_batch))
+
+    @clocked
     def step_async(self, actions: Any) -> None:
         """Send a step to every env and return at once; ``step_wait()`` collects it."""
-        began = _now()
-        try:
-            plane = self._data_plane
-            if plane is not None:
-                self._check_idle("step_async")
-                if plane.send(actions):
-                    self._pending = []  # nothing on the pool: the data plane's step is in flight
-                    return
-            make_batch = self._prepare_step(actions, "step_async")
-            if self._is_limited():
-                assert self.max_concurrency is not None
-                self._pending = [
-                    self._fan_out.executor.submit(
-                        self._fan_out.run_limited, make_batch, self.max_concurrency
-                    )
-                ]
+        plane = self._data_plane
+        if plane is not None:
+            self._check_idle("step_async")
+            if plane.send(actions):
+                self._pending = []  # nothing on the pool: the data plane's step is in flight
                 return
-            self._pending = self._fan_out.submit_slices(make_batch)
-        finally:
-            self._clock.in_calls_s += _now() - began
+        make_batch = self._prepare_step(actions, "step_async")
+        if self._is_limited():
+            assert self.max_concurrency is not None
+            self._pending = [
+                self._fan_out.executor.submit(
+                    self._fan_out.run_limited, make_batch, self.max_concurrency
+                )
+            ]
+            return
+        self._pending = self._fan_out.submit_slices(make_batch)
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Wait for the step sent by ``step_async()``.
@@ -379,13 +364,15 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             batch = self._receive_planned(plane, timeout)  # timed by the data plane
             self._pending = None
             return batch
-        began = _now()
-        try:
-            outcome = collect_slices(self._pending, timeout, "step")
-            self._pending = None
-            return self._finish_step(outcome)
-        finally:
-            self._clock.in_calls_s += _now() - began
+        return self._wait_for_pool(timeout)
+
+    @clocked
+    def _wait_for_pool(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """``step_wait`` of a step that went by the general path."""
+        assert self._pending is not None
+        outcome = collect_slices(self._pending, timeout, "step")
+        self._pending = None
+        return self._finish_step(outcome)
 
     def render(self) -> tuple[Any, ...]:
         """Return every env's ``render()`` result."""

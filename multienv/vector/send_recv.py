@@ -24,7 +24,7 @@ from multienv.supervision.handles import PartsPlane
 from multienv.vector import vector_checks
 from multienv.vector.assembly import Assembly, StepBatch
 from multienv.vector.fan_out import FanOut, finish, raise_first
-from multienv.vector.timing import CallClock
+from multienv.vector.timing import CallClock, clocked
 from multienv.wire.autoreset import Autoreset
 from multienv.wire.protocol import Batch, StepPlan
 
@@ -43,6 +43,7 @@ class SendRecvApi:
 
         def _split_actions(self, actions: Any, env_ids: list[int] | None) -> Any: ...
 
+    @clocked
     def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """Send a step to some envs and return at once; ``recv()`` collects the first to finish.
 
@@ -70,17 +71,14 @@ class SendRecvApi:
             raise ClosedEnvironmentError("MultiEnv.send() called after close().")
         if self._pending is not None:
             raise EnvStateError("MultiEnv.send() called while a step_async() is pending.")
-        began = time.perf_counter()
-        try:
-            if self._pending_reset is None and self._in_flight.send_parts(actions, env_ids):
-                return  # whole workers, in one pass (``parts_plane``)
-            ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, self._in_flight.env_ids())
-            batch_actions = self._split_actions(actions, ids)
-            self._autoreset.check_can_step(ids)
-            self._in_flight.send(ids, batch_actions)
-        finally:
-            self._clock.in_calls_s += time.perf_counter() - began
+        if self._pending_reset is None and self._in_flight.send_parts(actions, env_ids):
+            return  # whole workers, in one pass (``parts_plane``)
+        ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, self._in_flight.env_ids())
+        batch_actions = self._split_actions(actions, ids)
+        self._autoreset.check_can_step(ids)
+        self._in_flight.send(ids, batch_actions)
 
+    @clocked
     def recv(
         self, batch_size: int | None = None, timeout: float | None = None
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
@@ -97,11 +95,7 @@ class SendRecvApi:
         """
         if self.closed:
             raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
-        began = time.perf_counter()
-        try:
-            return self._in_flight.recv(batch_size, timeout)
-        finally:
-            self._clock.in_calls_s += time.perf_counter() - began
+        return self._in_flight.recv(batch_size, timeout)
 
 
 class InFlight:

@@ -12,14 +12,32 @@ run env-bound or policy-bound, and which workers are slow?
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from multienv.supervision.worker_stats import LatencyRing
+
+F = TypeVar("F", bound=Callable[..., Any])
+_now = time.perf_counter
+
+
+def clocked(method: F) -> F:
+    """Add each call's duration to its vector's clock (``self._clock``, a ``CallClock``)."""
+
+    @functools.wraps(method)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        began = _now()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._clock.in_calls_s += _now() - began
+
+    return cast(F, timed)
 
 
 class CallClock:
