@@ -11,7 +11,14 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from multienv import EnvError, EnvStateError, MultiEnv
-from tests.envs import CountingEnv, DictObsEnv, HangOnStep, RaiseOnStep, SleepyEnv
+from tests.envs import (
+    CountingEnv,
+    DictObsEnv,
+    HangOnStep,
+    KilledAfterItsDoneRecord,
+    RaiseOnStep,
+    SleepyEnv,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -253,3 +260,22 @@ def test_a_same_step_reset_kept_on_the_parts_plane_is_returned_once_after_a_hand
         assert infos["_final_obs"].tolist() == [False, True]
         assert infos["final_obs"][1].tolist() == [1.0]  # its last step's, not a crash's
         assert envs.stats()[kept]["episodes"] == 1
+
+
+def test_a_worker_killed_between_its_record_and_its_reply_on_the_parts_plane(tmp_path):
+    # The reply of the worker's DONE record never comes: its supervisor respawns it while
+    # collecting it, and the step comes back as a flagged truncation, the other env's kept.
+    fn = functools.partial(KilledAfterItsDoneRecord, str(tmp_path / "killed"), at_count=3)
+    with MultiEnv([CountingEnv, fn]) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(2, dtype=np.int64)
+        send_warm(envs, ones)  # the third step: the worker of env 1 dies in it
+        obs, rewards, _, truncations, infos = envs.recv()
+        assert truncations.tolist() == [False, True]
+        assert rewards.tolist() == [1.0, 0.0]
+        assert infos["multienv"]["cause"][1] == "SIGKILL"
+        assert obs[:, 0].tolist() == [3.0, 2.0]  # env 1 keeps the observation seen last
+        before = sent_on_parts(envs)
+        envs.send(ones)  # everything was collected: the next send takes the parts plane
+        assert sent_on_parts(envs) == before + 1
+        assert envs.recv()[0][:, 0].tolist() == [4.0, 0.0]  # next-step: env 1 resets
