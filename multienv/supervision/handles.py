@@ -356,6 +356,19 @@ class Backend:
     open_link: OpenLink
     options: frozenset[str]
 
+    @classmethod
+    def of(
+        cls, name: str, create_envs: Callable[..., list[Any]], open_link: OpenLink, proxy: type
+    ) -> Backend:
+        """The backend whose options are the keywords its proxy class takes.
+
+        Less the env's factory and index, which ``create_envs`` gives each proxy itself;
+        ``proxy`` defines its own ``__init__``.
+        """
+        init = vars(proxy)["__init__"]
+        options = keyword_options(init) - {"self", "env_fn", "env_index"}
+        return cls(name, create_envs, open_link, frozenset(options))
+
 
 # multienv's own backends, where its setup.cfg registers them: found even when the installed
 # entry points are missing or stale (a checkout run without ``pip install -e .``, or pulled

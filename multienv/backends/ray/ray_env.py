@@ -31,7 +31,7 @@ from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.factory import create_envs, supervise
-from multienv.supervision.handles import Backend, Death, VectorLink, WorkerHandle, keyword_options
+from multienv.supervision.handles import Backend, Death, VectorLink, WorkerHandle
 from multienv.supervision.options import (
     CLOSE_TIMEOUT_S,
     INIT_TIMEOUT_S,
@@ -575,12 +575,7 @@ def create_ray_envs(
     )
 
 
-BACKEND = Backend(
-    "ray",
-    create_ray_envs,
-    open_ray_link,
-    frozenset(keyword_options(RayEnv.__init__) - {"self", "env_fn", "env_index"}),
-)
+BACKEND = Backend.of("ray", create_ray_envs, open_ray_link, RayEnv)
 
 __all__ = [
     "BACKEND",

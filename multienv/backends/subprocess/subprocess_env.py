@@ -35,7 +35,7 @@ from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
 from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.factory import create_envs, supervise
-from multienv.supervision.handles import Backend, keyword_options
+from multienv.supervision.handles import Backend
 from multienv.supervision.lifecycle import EnvState
 from multienv.supervision.options import (
     CLOSE_TIMEOUT_S,
@@ -436,12 +436,7 @@ def _should_probe(num_workers: int, options: SubprocessOptions) -> bool:
     )
 
 
-BACKEND = Backend(
-    "subprocess",
-    create_subprocess_envs,
-    open_subprocess_link,
-    frozenset(keyword_options(SubprocessEnv.__init__) - {"self", "env_fn", "env_index"}),
-)
+BACKEND = Backend.of("subprocess", create_subprocess_envs, open_subprocess_link, SubprocessEnv)
 
 __all__ = [
     "BACKEND",
