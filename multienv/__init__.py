@@ -17,6 +17,7 @@ from multienv.errors import (
     MultiEnvError,
 )
 from multienv.evaluation import EvaluationResult, evaluate
+from multienv.layout import Layout
 from multienv.placement import WorkerPlacement
 from multienv.recycle import RecyclePolicy
 from multienv.registration import make_vec
@@ -35,6 +36,7 @@ __all__ = [
     "EnvState",
     "EnvStateError",
     "EvaluationResult",
+    "Layout",
     "MultiEnv",
     "MultiEnvError",
     "RayEnv",

@@ -23,9 +23,10 @@ on MuJoCo); each is skipped, saying why, when its package is missing. On those, 
 ale-py's own AtariVectorEnv join as peers, and "x EnvPool" is the ratio to EnvPool within
 each round. Every implementation steps the same pre-sampled random actions. multienv runs
 with ``envs_per_worker`` k in {1, ceil(N/cores), N}, the layouts follow the cores this
-process may use; "multienv async" keeps every env in flight with
-``send``/``recv(batch_size=N // 2)``, at k=1 and k=ceil(N/cores); the others step the whole
-batch in lock step.
+process may use, and "multienv auto" with ``envs_per_worker="auto"`` (the table says which
+k it chose; its x probe is against the k=N/cores probe); "multienv async" keeps every env
+in flight with ``send``/``recv(batch_size=N // 2)``, at k=1 and k=ceil(N/cores); the
+others step the whole batch in lock step.
 Gymnasium and multienv return copies of the observations (their default, ``copy=True``);
 PufferLib returns views, and so do the rows "multienv k=N/cores views" (``copy=False``) and
 "multienv k=... views spin" (the same in hot mode, ``wait="spin"``). Hot mode runs with as
@@ -371,6 +372,7 @@ def implementations(n: int, workload: str = "cheap") -> list[str]:
     if is_installed("pufferlib.vector"):
         names += [f"PufferLib workers={w}" for w in (1, 2) if n % w == 0]
     names += [f"multienv k={k}" for k in sorted({1, per_core(n), n})]
+    names.append("multienv auto")
     names.append(f"multienv k={per_core(n)} views")
     names += [f"multienv k={k} spin" for k in spin_layouts(n)]
     # hot mode at its fastest, returning views as PufferLib does
@@ -437,6 +439,14 @@ def run_implementation(
         return run_tianshou(fns, steps, bank)
     if name.startswith("PufferLib workers="):
         return run_pufferlib(fns, int(name.rpartition("=")[2]), steps, bank)
+    if name == "multienv auto":
+
+        def build_auto() -> MultiEnv:
+            envs = MultiEnv(fns, envs_per_worker="auto")
+            CHOSEN.append(envs.layout.envs_per_worker)
+            return envs
+
+        return run_vector(build_auto, steps, bank)
     k, _, variant = name.rpartition("=")[2].partition(" ")  # "... k=8 views spin"
     if name.startswith("multienv async k="):
         return run_multienv_async(fns, int(k), steps, bank)
@@ -468,6 +478,7 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
     names = implementations(n, workload)
     if args.only_multienv:  # the references, and multienv at k=1 and k=N/cores
         kept = {"sequential loop", "gymnasium AsyncVectorEnv", "multienv k=1", "EnvPool"}
+        kept.update(("multienv auto", f"multienv k={n}"))
         kept.update((f"multienv k={per_core(n)}", "ale-py AtariVectorEnv"))
         kept.update(f"multienv async k={k}" for k in sorted({1, per_core(n)}))
         for k in spin_layouts(n):
@@ -559,6 +570,9 @@ def print_table(workload: str, n: int, rows: dict[str, Any]) -> None:
         line += f"{row['cores_busy']:>7.2f}{row['cpu_us_per_step']:>13.1f}"
         if "x_this_vs_baseline" in row:
             line += f"  this/baseline {row['x_this_vs_baseline']:.3f}"
+        chosen = sorted({v["envs_per_worker"] for v in row["samples"] if "envs_per_worker" in v})
+        if chosen:
+            line += f"  chose k={'/'.join(map(str, chosen))}"
         print(line)
 
 
@@ -756,6 +770,9 @@ MEMORY_LABELS = [
 RESPAWN_LABELS = ["multienv", "multienv, preload"]
 
 
+CHOSEN: list[int] = []  # the envs_per_worker "multienv auto" chose, in this child
+
+
 def run_child(args: Args) -> int:
     """One measurement in this fresh process (a forkserver starts once per process)."""
     kind, _, rest = args.child.partition(":")
@@ -764,7 +781,10 @@ def run_child(args: Args) -> int:
         fns = [WORKLOADS[workload][0]] * int(n)
         timer = run_implementation(name, workload, fns, int(steps))
         rate = int(steps) * int(n) / timer.wall_s
-        print(json.dumps({"steps_per_s": rate, "cores_busy": timer.cores_busy}))
+        sample = {"steps_per_s": rate, "cores_busy": timer.cores_busy}
+        if CHOSEN:
+            sample["envs_per_worker"] = CHOSEN[-1]
+        print(json.dumps(sample))
     elif kind == "memory":
         print(json.dumps(measure_memory(rest)))
     elif kind == "memory-tree":

@@ -349,16 +349,24 @@ class Backend:
         create_envs: ``create_*_envs(env_fns, envs_per_worker=..., **options)``: ready proxies.
         open_link: Links a vector's handles (see ``OpenLink``); they are all of this backend.
         options: The keyword options ``create_envs`` passes on to each env's proxy.
+        auto_layout: ``auto_layout(env_fns, **options)``: the ``multienv.Layout`` that
+            ``envs_per_worker="auto"`` picks; None where the backend offers no ``"auto"``.
     """
 
     name: str
     create_envs: Callable[..., list[Any]]
     open_link: OpenLink
     options: frozenset[str]
+    auto_layout: Callable[..., Any] | None = None
 
     @classmethod
     def of(
-        cls, name: str, create_envs: Callable[..., list[Any]], open_link: OpenLink, proxy: type
+        cls,
+        name: str,
+        create_envs: Callable[..., list[Any]],
+        open_link: OpenLink,
+        proxy: type,
+        auto_layout: Callable[..., Any] | None = None,
     ) -> Backend:
         """The backend whose options are the keywords its proxy class takes.
 
@@ -367,7 +375,7 @@ class Backend:
         """
         init = vars(proxy)["__init__"]
         options = keyword_options(init) - {"self", "env_fn", "env_index"}
-        return cls(name, create_envs, open_link, frozenset(options))
+        return cls(name, create_envs, open_link, frozenset(options), auto_layout)
 
 
 # multienv's own backends, where its setup.cfg registers them: found even when the installed

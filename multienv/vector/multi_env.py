@@ -32,6 +32,7 @@ from multienv.errors import (
     WaitTimeoutError,
     raised_here,
 )
+from multienv.layout import Layout, given_layout
 from multienv.supervision.env_proxy import RemoteEnv, abandon_workers
 from multienv.supervision.factory import warn_unbounded_batches
 from multienv.supervision.handles import DataPlane, SharedMemoryLink, VectorParts, keyword_options
@@ -87,7 +88,9 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             finishes. None (default) steps all at once. Use it when N workers would
             oversubscribe the cores.
         envs_per_worker: With env factories, how many envs each worker process hosts (env i
-            in worker ``i // envs_per_worker``); see ``create_subprocess_envs``.
+            in worker ``i // envs_per_worker``); see ``create_subprocess_envs``. ``"auto"``
+            times env 0 in a probe worker and chooses for this machine's cores; ``layout``
+            says what it chose and why. Recommended when speed matters.
         backend: With env factories, where the workers run: ``"subprocess"`` (daemon
             processes on this machine) or ``"ray"`` (Ray actors, on a cluster; needs
             ``multienv[ray]``, see ``create_ray_envs``).
@@ -123,7 +126,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         copy: bool = True,
         num_threads: int | None = None,
         max_concurrency: int | None = None,
-        envs_per_worker: int = 1,
+        envs_per_worker: int | str = 1,
         backend: str = "subprocess",
         shared_memory: bool | None = None,
         daemon: bool = True,
@@ -141,7 +144,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         self.daemon = daemon
         self.observation_mode = observation_mode
         self.max_concurrency = max_concurrency
-        proxies, is_built = vector_checks.proxies_for(
+        proxies, is_built, self._chosen_layout = vector_checks.proxies_for(
             list(envs),
             backend,
             envs_per_worker,
@@ -150,7 +153,8 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             keyword_options(MultiEnv.__init__) - {"self", "envs", "env_fns", "options"},
         )
         if is_built and self.autoreset_mode is AutoresetMode.NEXT_STEP:
-            warn_unbounded_batches(min(envs_per_worker, len(proxies)), options)  # steps + resets
+            per_worker = max(len(proxy.supervisor.env_indices) for proxy in proxies)
+            warn_unbounded_batches(per_worker, options)  # steps + resets
         try:
             self._adopt(proxies, num_threads)
         except BaseException:
@@ -406,6 +410,14 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
     def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
         """Each env's ``np_random`` generator (copies, from the workers)."""
         return self.get_attr("np_random")
+
+    @property
+    def layout(self) -> Layout:
+        """How the envs are spread over the workers, and why (``envs_per_worker="auto"``)."""
+        if self._chosen_layout is None:  # given: as the workers are
+            sizes = [len(group.supervisor.env_indices) for group in self._groups]
+            self._chosen_layout = given_layout(self.num_envs, max(sizes), len(sizes))
+        return self._chosen_layout
 
     def stats(self) -> list[dict[str, Any]]:
         """Per env: steps, episodes, restarts, recycles, last failure cause, latency p50/p99 (s).

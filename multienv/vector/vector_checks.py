@@ -15,6 +15,7 @@ import numpy as np
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, iterate
 
 from multienv.errors import EnvStateError, SpaceMismatchError
+from multienv.layout import Layout
 from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.handles import find_backend
 from multienv.supervision.lifecycle import EnvState
@@ -300,24 +301,25 @@ def env_ids_to_send(
 def proxies_for(
     items: list[Any],
     backend: str,
-    envs_per_worker: int,
+    envs_per_worker: int | str,
     daemon: bool,
     options: dict[str, Any],
     own_options: Collection[str],
-) -> tuple[list[RemoteEnv], bool]:
+) -> tuple[list[RemoteEnv], bool, Layout | None]:
     """``MultiEnv``'s envs: the ready proxies it was given, or new ones built from factories.
 
     Args:
         items: Ready proxies, or env factories (not a mix).
         backend: The name of the backend that builds proxies from factories.
-        envs_per_worker: How many envs each new worker hosts.
+        envs_per_worker: How many envs each new worker hosts, or ``"auto"``: the backend
+            chooses (``Backend.auto_layout``).
         daemon: Start new workers as daemons (where the backend has the option).
         options: The backend's options, for new proxies only.
         own_options: MultiEnv's own keyword options, listed when an option is unknown.
 
     Returns:
-        The proxies, and whether they were built here (then the caller closes them if it
-        fails).
+        The proxies; whether they were built here (then the caller closes them if it
+        fails); the layout ``"auto"`` chose, else None.
     """
     if not items:
         raise ValueError("MultiEnv needs at least one env or env factory, got none.")
@@ -330,7 +332,7 @@ def proxies_for(
                 "only when MultiEnv builds the envs from factories."
             )
         check_ready(items)
-        return items, False
+        return items, False, None
     if any(is_proxy):
         first = is_proxy.index(not is_proxy[0])
         raise TypeError(
@@ -340,4 +342,18 @@ def proxies_for(
     check_options("MultiEnv", options, chosen.options | set(own_options))
     if not daemon and "daemon" in chosen.options:
         options = {**options, "daemon": False}
-    return chosen.create_envs(items, envs_per_worker=envs_per_worker, **options), True
+    layout = None
+    if isinstance(envs_per_worker, str):
+        if envs_per_worker != "auto":
+            raise ValueError(
+                "MultiEnv(): envs_per_worker must be an int >= 1 or 'auto', "
+                f"got {envs_per_worker!r}"
+            )
+        if chosen.auto_layout is None:
+            raise ValueError(
+                f"envs_per_worker='auto' is not offered by the {backend!r} backend; give an int"
+            )
+        layout = chosen.auto_layout(items, **options)
+        envs_per_worker = layout.envs_per_worker
+    proxies = chosen.create_envs(items, envs_per_worker=envs_per_worker, **options)
+    return proxies, True, layout

@@ -33,6 +33,7 @@ class Command(enum.IntEnum):
     SET_STATE = 10  # payload: a state
     STEP_PAIRS = 11  # payload: Pairs; the reply's value is PairResults
     IS_WRAPPED = 12  # payload: a wrapper class; the reply's value is a bool
+    MEASURE = 13  # payload: (budget_s, max_steps); the reply's value is a StepCost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,21 @@ class Reply:
     failure: RemoteFailure | None = None
     schemas: list[tuple[int, Any]] | None = None
     modules: list[str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """What an env's steps and resets cost in its worker, timed there (``Command.MEASURE``).
+
+    Attributes:
+        step_s: The median seconds of a step of random actions.
+        reset_s: The median seconds of a reset.
+        steps: How many steps were timed.
+    """
+
+    step_s: float
+    reset_s: float
+    steps: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -10,6 +10,8 @@ other transport.
 from __future__ import annotations
 
 import pickle
+import statistics
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +33,7 @@ from multienv.wire.protocol import (
     RemoteFailure,
     Reply,
     Request,
+    StepCost,
     pack_states,
 )
 from multienv.worker.legacy import LegacyEnv, adapt
@@ -158,6 +161,8 @@ class EnvRunner:
             return None
         if command is Command.STEP_PAIRS:
             return self.step_pairs(payload)
+        if command is Command.MEASURE:
+            return self.measure(position, *payload)
         if command is Command.IS_WRAPPED:
             while isinstance(env, gym.Wrapper):
                 if isinstance(env, payload):
@@ -165,6 +170,32 @@ class EnvRunner:
                 env = env.env
             return False
         raise ValueError(f"{command!r} is not a call of one env")
+
+    def measure(self, position: int, budget_s: float, max_steps: int) -> StepCost:
+        """Time the env's reset and its steps of random actions, in this process.
+
+        Steps until ``budget_s`` has passed (at least 3 steps) or ``max_steps`` are done;
+        an episode that ends is reset, and that reset is timed as one. Only the env's own
+        calls are timed, not the sampling of the actions. The env is left mid-episode.
+        """
+        env = self.envs[position]
+        space = env.action_space
+        clock = time.perf_counter
+        began = clock()
+        env.reset()
+        resets = [clock() - began]
+        steps: list[float] = []
+        deadline = began + budget_s
+        while len(steps) < max_steps and (len(steps) < 3 or clock() < deadline):
+            action = space.sample()
+            started = clock()
+            _, _, terminated, truncated, _ = env.step(action)
+            steps.append(clock() - started)
+            if terminated or truncated:
+                started = clock()
+                env.reset()
+                resets.append(clock() - started)
+        return StepCost(statistics.median(steps), statistics.median(resets), len(steps))
 
     def get_state(self, position: int) -> Any:
         """What the env's own ``get_state()`` returns, or else the whole env pickled."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import multiprocessing
 import os
 import sys
@@ -30,6 +31,7 @@ from multienv.backends.subprocess.process_handle import ProcessHandle
 from multienv.backends.subprocess.process_launch import WorkerRecipe
 from multienv.backends.subprocess.shm_link import open_subprocess_link
 from multienv.errors import raised_here
+from multienv.layout import Layout, choose_layout
 from multienv.placement import WorkerPlacement, placements_for
 from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
@@ -44,9 +46,13 @@ from multienv.supervision.options import (
     check_options,
 )
 from multienv.supervision.supervisor import WorkerSupervisor
+from multienv.wire.protocol import Command, StepCost
 from multienv.wire.worker_settings import SPIN_S, WorkerSettings, check_spinners, parent_spins
 
 EnvFn = Callable[[], gym.Env[Any, Any]]
+logger = logging.getLogger("multienv")
+MEASURE_BUDGET_S = 0.2  # how long envs_per_worker="auto" times env 0's steps
+MEASURE_MAX_STEPS = 1000  # and how many steps at most
 
 
 def resolve_context(
@@ -332,7 +338,7 @@ def _supervise(
 
 @raised_here
 def create_subprocess_envs(
-    env_fns: Sequence[EnvFn], *, envs_per_worker: int = 1, **keywords: Any
+    env_fns: Sequence[EnvFn], *, envs_per_worker: int | str = 1, **keywords: Any
 ) -> list[SubprocessEnv]:
     """Start the workers, then initialize them all in parallel; return one proxy per env.
 
@@ -341,6 +347,8 @@ def create_subprocess_envs(
         envs_per_worker: How many envs each worker process hosts: env i lives in worker
             ``i // envs_per_worker``. 1 (default) gives each env its own process; more steps
             cheap envs faster, and one worker's death truncates each of its envs.
+            ``"auto"`` times env 0 in a probe worker and chooses for this machine
+            (``auto_layout``; the choice is logged at INFO).
         **keywords: Keyword options of ``SubprocessEnv``, applied to every env.
 
     With more workers than cores (forkserver, daemon workers), env 0's factory runs once
@@ -356,6 +364,13 @@ def create_subprocess_envs(
     if "env_index" in keywords:
         raise TypeError("create_subprocess_envs() numbers the envs itself; do not pass env_index")
     options = SubprocessOptions.of("create_subprocess_envs", keywords)
+    if isinstance(envs_per_worker, str):
+        if envs_per_worker != "auto":
+            raise ValueError(
+                "create_subprocess_envs(): envs_per_worker must be an int >= 1 or 'auto', "
+                f"got {envs_per_worker!r}"
+            )
+        envs_per_worker = _auto_layout(env_fns, options).envs_per_worker
     probe = parent_spin = False
     num_workers = 0
     pins: list[Pin | None] = []
@@ -387,6 +402,9 @@ def create_subprocess_envs(
             fns, first, options, parent_spin=parent_spin, pin=pin, placement=placement
         )
 
+    def start_module_server() -> None:  # before the workers: they fork from it
+        _run_probe(env_fns[0], options, placements[0])
+
     try:
         envs = create_envs(
             env_fns,
@@ -394,7 +412,7 @@ def create_subprocess_envs(
             supervise_worker,
             SubprocessEnv,
             "create_subprocess_envs",
-            before_start=(lambda: _start_module_server(env_fns[0], options)) if probe else None,
+            before_start=start_module_server if probe else None,
         )
     except BaseException:
         for pin in pins:  # the CPUs are free again at once, not when the error is collected
@@ -406,19 +424,66 @@ def create_subprocess_envs(
     return envs
 
 
-def _start_module_server(env_fn: EnvFn, options: SubprocessOptions) -> None:
-    """Build env 0 alone in a probe worker, whose report starts the module server; close it.
+def _run_probe(
+    env_fn: EnvFn,
+    options: SubprocessOptions,
+    placement: WorkerPlacement | None,
+    is_measured: bool = False,
+) -> StepCost | None:
+    """Build env 0 alone in a probe worker; time its steps if ``is_measured``; close it.
 
-    Every worker of the vector then forks from the server: none imports the env's modules
-    into memory of its own. An env_fn that fails fails here, as it would in its worker.
+    When the module server has not started yet, the probe's report starts it: every worker
+    of the vector then forks from the server, and none imports the env's modules into
+    memory of its own. An env_fn that fails fails here, as it would in its worker.
+    ``placement``: worker 0's, under which env 0 is built.
     """
     unpinned = dataclasses.replace(options, pin_cpu=False)
-    supervisor = _supervise([env_fn], 0, unpinned, is_probe=True)
+    is_probe = options.is_served and not module_server.has_tried()
+    supervisor = _supervise([env_fn], 0, unpinned, is_probe=is_probe, placement=placement)
     try:
         supervisor.start()
         supervisor.initialize()
+        if not is_measured:
+            return None
+        measure = (MEASURE_BUDGET_S, MEASURE_MAX_STEPS)
+        cost: StepCost = supervisor.request(0, Command.MEASURE, measure, MEASURE_MAX_STEPS)
+        return cost
     finally:
         supervisor.close(timeout=1.0)
+
+
+def auto_layout(env_fns: Sequence[EnvFn], **keywords: Any) -> Layout:
+    """The layout ``envs_per_worker="auto"`` picks for these envs on this machine.
+
+    Env 0 is built once more, in a probe worker, whose step and reset are timed there
+    (about 0.2 s); ``layout.choose_layout`` weighs that cost against the cores this process
+    may use. The choice and its reason are logged at INFO.
+
+    Args:
+        env_fns: The vector's env factories.
+        **keywords: The vector's ``SubprocessEnv`` options: hot mode (``wait="spin"``) and
+            ``pin_cpu=True`` keep the workers to one per core at most.
+    """
+    options = SubprocessOptions.of("auto_layout", keywords)
+    return _auto_layout(env_fns, options)
+
+
+def _auto_layout(env_fns: Sequence[EnvFn], options: SubprocessOptions) -> Layout:
+    if not env_fns:
+        raise ValueError("envs_per_worker='auto' needs at least one env factory, got none")
+    placement = options.placement
+    if isinstance(placement, Sequence) and not isinstance(placement, str | bytes):
+        raise ValueError(
+            "envs_per_worker='auto' chooses how many workers there are: give placement as "
+            "one WorkerPlacement or a function of the worker's index, not a list"
+        )
+    cost = _run_probe(env_fns[0], options, placements_for(placement, 1)[0], is_measured=True)
+    assert cost is not None
+    may_oversubscribe = options.wait != "spin" and options.pin_cpu is not True
+    cores = len(os.sched_getaffinity(0))
+    layout = choose_layout(len(env_fns), cores, cost.step_s, cost.reset_s, may_oversubscribe)
+    logger.info("envs_per_worker='auto': %s", layout.reason)
+    return layout
 
 
 def _should_probe(num_workers: int, options: SubprocessOptions) -> bool:
@@ -436,7 +501,9 @@ def _should_probe(num_workers: int, options: SubprocessOptions) -> bool:
     )
 
 
-BACKEND = Backend.of("subprocess", create_subprocess_envs, open_subprocess_link, SubprocessEnv)
+BACKEND = Backend.of(
+    "subprocess", create_subprocess_envs, open_subprocess_link, SubprocessEnv, auto_layout
+)
 
 __all__ = [
     "BACKEND",
@@ -444,6 +511,7 @@ __all__ = [
     "EnvState",
     "SubprocessEnv",
     "SubprocessOptions",
+    "auto_layout",
     "create_subprocess_envs",
     "resolve_context",
     "start_forkserver",

@@ -1,0 +1,118 @@
+"""PARENT SIDE: ``Layout``, how a vector's envs are spread over its workers, and why.
+
+``envs_per_worker="auto"`` chooses the layout from the cores this process may use
+(``os.sched_getaffinity``) and the cost of one step of env 0, timed in a probe worker
+(``choose_layout``). The rule rests on these measurements (``scripts/bench.py``, env steps
+per second of the whole vector; ``docs/performance.rst`` has the tables):
+
+- 2 cores, N=16: as many workers as cores (k=8) beats one env per worker for every env,
+  cheap or not: CartPole 98,000 against 35,000, HalfCheetah 32,800 against 16,700, Pong
+  7,300 against 6,300. At N=64 the same (k=32).
+- 16 cores (before the data plane): Pong, whose step takes about 0.2 ms, ran faster with
+  one env per worker at N=16 (7.37x the loop against 4.83x at k=2) and at N=64 (5.50x
+  against 4.78x at k=4); HalfCheetah (about 30 us a step) ran faster with as many workers
+  as cores at N=64 (k=4, 3.7-5.3x, against k=1, 3.1x).
+
+So: with no more envs than cores, one env per worker; with more, one env per worker only
+where steps are long (``LONG_STEP_S``) and cores many (``MANY_CORES``), where the kernel
+spreads many workers over the cores more evenly than fixed batches and the wake-ups a
+batch would save are a small part of a step; else as many workers as cores. The two
+thresholds lie between measured points: no cell measured a step between 30 us and 0.2 ms,
+or a machine between 2 and 16 cores.
+
+Example:
+    >>> layout = choose_layout(64, cores=16, step_s=250e-6)
+    >>> layout.envs_per_worker, layout.num_workers
+    (1, 64)
+    >>> choose_layout(64, cores=16, step_s=30e-6).envs_per_worker
+    4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+LONG_STEP_S = 100e-6  # steps at least this long may run one env per worker on many cores
+MANY_CORES = 8  # cores from which long steps run one env per worker
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a vector's envs are spread over its worker processes, and why (``MultiEnv.layout``).
+
+    Attributes:
+        num_envs: The vector's envs.
+        envs_per_worker: Envs per worker: env i lives in worker ``i // envs_per_worker``.
+        num_workers: Worker processes.
+        cores: The cores this process could use when the layout was chosen.
+        step_s: The median step of env 0, timed in its worker (random actions); None when
+            the layout was given, not measured.
+        reset_s: The median reset of env 0, timed likewise; None when not measured.
+        reason: The choice and why, in words: what ``envs_per_worker="auto"`` logs.
+    """
+
+    num_envs: int
+    envs_per_worker: int
+    num_workers: int
+    cores: int
+    step_s: float | None = None
+    reset_s: float | None = None
+    reason: str = ""
+
+    def __str__(self) -> str:
+        """The reason: the choice and why."""
+        return self.reason
+
+
+def choose_layout(
+    num_envs: int,
+    cores: int,
+    step_s: float,
+    reset_s: float | None = None,
+    may_oversubscribe: bool = True,
+) -> Layout:
+    """The layout ``envs_per_worker="auto"`` picks for ``num_envs`` envs (see the module).
+
+    Args:
+        num_envs: The vector's envs.
+        cores: The cores this process may use.
+        step_s: The cost of one env step, in seconds.
+        reset_s: The cost of one reset (reported, not weighed).
+        may_oversubscribe: Whether workers may outnumber the cores: not in hot mode
+            (``wait="spin"``), nor with ``pin_cpu=True``.
+    """
+    cores = max(1, cores)
+    cost = f"{_duration(step_s)} a step"
+    if num_envs <= cores:
+        k, why = 1, "no more envs than cores: each env gets a core"
+    elif may_oversubscribe and cores >= MANY_CORES and step_s >= LONG_STEP_S:
+        k = 1
+        why = (
+            f"steps of {_duration(LONG_STEP_S)} or more on {MANY_CORES} cores or more: the "
+            "kernel spreads one-env workers over the cores more evenly than batches"
+        )
+    else:
+        k = -(-num_envs // cores)
+        why = "as many workers as cores: a batch spares each env a wake-up"
+    num_workers = -(-num_envs // k)
+    per = "1 env per worker" if k == 1 else f"{k} envs per worker"
+    reason = f"{cores} cores, {cost}: {per}, {num_workers} workers ({why})"
+    return Layout(num_envs, k, num_workers, cores, step_s, reset_s, reason)
+
+
+def given_layout(num_envs: int, envs_per_worker: int, num_workers: int) -> Layout:
+    """The layout of a vector whose ``envs_per_worker`` was given, or whose envs were."""
+    reason = f"{envs_per_worker} envs per worker as given, {num_workers} workers"
+    cores = len(os.sched_getaffinity(0))
+    return Layout(num_envs, envs_per_worker, num_workers, cores, reason=reason)
+
+
+def _duration(seconds: float) -> str:
+    """``1.5 ms`` or ``31 us``: a step's cost as the reason shows it."""
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+__all__ = ["LONG_STEP_S", "MANY_CORES", "Layout", "choose_layout", "given_layout"]

@@ -1,0 +1,177 @@
+"""envs_per_worker="auto": the rule, the step cost timed in a probe worker, the layout shown."""
+
+import functools
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import cloudpickle
+import numpy as np
+import pytest
+
+from multienv import EnvError, MultiEnv, WorkerPlacement, create_subprocess_envs
+from multienv.layout import LONG_STEP_S, MANY_CORES, choose_layout
+from multienv.worker.runner import EnvRunner
+from tests.envs import CountingEnv, EnvironEcho, RaiseInInit, SleepyEnv
+
+pytestmark = pytest.mark.timeout(60)
+
+CORES = len(os.sched_getaffinity(0))
+CARTPOLE_S, HALFCHEETAH_S, PONG_S = 5e-6, 30e-6, 200e-6  # as timed on the 2-core VMs
+
+
+@pytest.mark.parametrize(
+    ("num_envs", "cores", "step_s", "expected"),
+    [
+        # 2 cores: as many workers as cores, for every env (bench.py, N=16 and N=64)
+        (16, 2, CARTPOLE_S, 8),
+        (16, 2, HALFCHEETAH_S, 8),
+        (16, 2, PONG_S, 8),
+        (64, 2, CARTPOLE_S, 32),
+        (64, 2, HALFCHEETAH_S, 32),
+        (64, 2, PONG_S, 32),
+        # 16 cores (the data-plane issue's figures): Pong one env per worker at N=16 and
+        # N=64; HalfCheetah and CartPole as many workers as cores at N=64
+        (16, 16, PONG_S, 1),
+        (64, 16, PONG_S, 1),
+        (64, 16, HALFCHEETAH_S, 4),
+        (64, 16, CARTPOLE_S, 4),
+        (16, 16, HALFCHEETAH_S, 1),
+    ],
+)
+def test_the_rule_picks_the_layout_measured_faster(num_envs, cores, step_s, expected):
+    layout = choose_layout(num_envs, cores, step_s)
+    assert layout.envs_per_worker == expected
+    assert layout.num_workers == -(-num_envs // expected)
+    assert f"{cores} cores" in layout.reason
+    assert f"{layout.num_workers} workers" in layout.reason
+
+
+def test_the_thresholds_sit_between_the_measured_cells():
+    assert choose_layout(64, MANY_CORES, LONG_STEP_S).envs_per_worker == 1
+    assert choose_layout(64, MANY_CORES - 1, LONG_STEP_S).envs_per_worker == 10
+    assert choose_layout(64, MANY_CORES, LONG_STEP_S * 0.99).envs_per_worker == 8
+
+
+def test_hot_mode_and_pinning_keep_one_worker_per_core_at_most():
+    layout = choose_layout(64, 16, PONG_S, may_oversubscribe=False)
+    assert (layout.envs_per_worker, layout.num_workers) == (4, 16)
+
+
+def test_the_worker_times_steps_and_resets_of_its_env():
+    env_fn = functools.partial(SleepyEnv, step_s=0.002)
+    runner = EnvRunner([cloudpickle.dumps(env_fn)])
+    runner.build()
+    try:
+        cost = runner.measure(0, 0.05, 1000)
+    finally:
+        runner.close()
+    assert 0.002 <= cost.step_s < 0.02
+    assert 0 <= cost.reset_s < 0.002
+    assert 3 <= cost.steps < 50  # the budget ended it
+
+
+def test_the_worker_times_at_least_three_steps_and_resets_ended_episodes():
+    runner = EnvRunner([cloudpickle.dumps(functools.partial(CountingEnv, episode_length=2))])
+    runner.build()
+    try:
+        cost = runner.measure(0, 0.0, 1000)
+        assert cost.steps == 3
+        assert runner.envs[0].unwrapped.count == 1  # reset after step 2, stepped once more
+        assert runner.measure(0, 10.0, 7).steps == 7
+    finally:
+        runner.close()
+
+
+def test_auto_times_env_0_and_shows_what_it_chose(caplog):
+    caplog.set_level(logging.INFO, logger="multienv")
+    env_fn = functools.partial(SleepyEnv, step_s=0.002)
+    with MultiEnv([env_fn] * 4, envs_per_worker="auto") as envs:
+        layout = envs.layout
+        assert 0.002 <= layout.step_s < 0.05
+        assert layout.reset_s is not None
+        assert layout.reset_s < 0.002
+        expected = choose_layout(4, CORES, layout.step_s)
+        assert (layout.envs_per_worker, layout.num_workers) == (
+            expected.envs_per_worker,
+            expected.num_workers,
+        )
+        assert layout.cores == CORES
+        assert len({env.pid for env in envs.envs}) == layout.num_workers
+        envs.reset(seed=0)
+        obs, *_ = envs.step(np.ones(4, dtype=np.int64))
+        assert obs.ravel().tolist() == [1.0] * 4
+    logged = [r.getMessage() for r in caplog.records if "envs_per_worker='auto'" in r.getMessage()]
+    assert logged == [f"envs_per_worker='auto': {layout.reason}"]
+
+
+def test_a_given_layout_is_shown_as_given():
+    with MultiEnv([CountingEnv] * 3, envs_per_worker=2) as envs:
+        layout = envs.layout
+        assert (layout.envs_per_worker, layout.num_workers, layout.step_s) == (2, 2, None)
+        assert layout.reason == "2 envs per worker as given, 2 workers"
+
+
+def test_create_subprocess_envs_takes_auto_too():
+    envs = create_subprocess_envs([CountingEnv] * 2, envs_per_worker="auto")
+    try:
+        assert [env.env_index for env in envs] == [0, 1]
+        assert all(env.reset(seed=0)[0].tolist() == [0.0] for env in envs)
+    finally:
+        for env in envs:
+            env.close()
+
+
+def test_auto_fails_as_env_0_would_and_leaves_no_worker():
+    with pytest.raises(EnvError, match="env 0"):
+        MultiEnv([RaiseInInit, CountingEnv], envs_per_worker="auto")
+
+
+@pytest.mark.parametrize("build", [MultiEnv, create_subprocess_envs])
+def test_bad_layouts_are_refused_before_anything_starts(build):
+    with pytest.raises(ValueError, match="int >= 1 or 'auto', got 'fast'"):
+        build([CountingEnv] * 2, envs_per_worker="fast")
+    placements = [WorkerPlacement(), WorkerPlacement()]
+    with pytest.raises(ValueError, match="chooses how many workers there are"):
+        build([CountingEnv] * 2, envs_per_worker="auto", placement=placements)
+
+
+def test_auto_builds_env_0_under_worker_0s_placement():
+    def tag(worker_index):
+        return WorkerPlacement(env={"MULTIENV_TEST_WORKER": f"w{worker_index}"})
+
+    with MultiEnv([EnvironEcho] * 2, envs_per_worker="auto", placement=tag) as envs:
+        tags = envs.call("getenv", "MULTIENV_TEST_WORKER")
+        assert tags == tuple(f"w{i // envs.layout.envs_per_worker}" for i in range(2))
+
+
+def test_a_list_of_placements_works_when_the_workers_outnumber_the_cores():
+    """The module server's probe builds env 0 under worker 0's placement, not the list's."""
+    workers = CORES + 1  # a probe worker builds env 0 first: a fresh process's first vector
+    script = textwrap.dedent(
+        f"""
+        from multienv import MultiEnv, WorkerPlacement
+        from tests.envs import EnvironEcho
+        if __name__ == "__main__":
+            placements = [WorkerPlacement(env={{"MULTIENV_TEST_WORKER": str(i)}})
+                          for i in range({workers})]
+            with MultiEnv([EnvironEcho] * {workers}, placement=placements) as envs:
+                print(",".join(envs.call("getenv", "MULTIENV_TEST_WORKER")))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [",".join(str(i) for i in range(workers))]
+
+
+def test_a_backend_without_auto_says_so():
+    with pytest.raises(ValueError, match="'auto' is not offered by the 'ray' backend"):
+        MultiEnv([CountingEnv] * 2, backend="ray", envs_per_worker="auto")
