@@ -478,7 +478,9 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
     names = implementations(n, workload)
     if args.only_multienv:  # the references, and multienv at k=1 and k=N/cores
         kept = {"sequential loop", "gymnasium AsyncVectorEnv", "multienv k=1", "EnvPool"}
-        kept.update(("multienv auto", f"multienv k={n}"))
+        kept.add("multienv auto")
+        if -(-n // per_core(n)) <= 2:  # few cores: one worker is a layout to weigh too
+            kept.add(f"multienv k={n}")
         kept.update((f"multienv k={per_core(n)}", "ale-py AtariVectorEnv"))
         kept.update(f"multienv async k={k}" for k in sorted({1, per_core(n)}))
         for k in spin_layouts(n):

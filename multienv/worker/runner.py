@@ -174,8 +174,9 @@ class EnvRunner:
     def measure(self, position: int, budget_s: float, max_steps: int) -> StepCost:
         """Time the env's reset and its steps of random actions, in this process.
 
-        Steps until ``budget_s`` has passed (at least 3 steps) or ``max_steps`` are done;
-        an episode that ends is reset, and that reset is timed as one. Only the env's own
+        Steps until ``budget_s`` has passed (one step at least: an env slower than the
+        budget is timed once) or ``max_steps`` are done; an episode that ends is reset, and
+        that reset is timed as one. Only the env's own
         calls are timed, not the sampling of the actions. The env is left mid-episode.
         """
         env = self.envs[position]
@@ -186,7 +187,7 @@ class EnvRunner:
         resets = [clock() - began]
         steps: list[float] = []
         deadline = began + budget_s
-        while len(steps) < max_steps and (len(steps) < 3 or clock() < deadline):
+        while len(steps) < max_steps and (not steps or clock() < deadline):
             action = space.sample()
             started = clock()
             _, _, terminated, truncated, _ = env.step(action)
