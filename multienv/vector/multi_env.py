@@ -164,6 +164,9 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             raise
 
     def _adopt(self, proxies: list[RemoteEnv], num_threads: int | None) -> None:
+        # Fewer than 30 instance attributes in all (tests/test_multi_env.py): CPython keeps
+        # at most 30 keys shared by a class's instances, and past that every ``self.x`` of
+        # the step is looked up the slow way (313 instructions more per step, counted).
         first = proxies[0]
         mode = self.observation_mode
         observation_spaces = vector_checks.observation_spaces(proxies, mode)
@@ -200,17 +203,17 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         # The caller's time in the vector's calls (``timing``), and in the data plane's steps.
         self._clock = CallClock(self._assembly.counters.latencies)
         # Planned steps (one vector op for all envs) need each worker's envs as one slice,
-        # in position order, and a link that plans; the workers' counters then become views.
-        self._plan_link = self._link if isinstance(self._link, SharedMemoryLink) else None
-        self._can_plan = self._plan_link is not None and all(
-            group.is_whole and isinstance(group.index, slice) for group in groups
-        )
-        if self._can_plan:
+        # in position order, and a link that plans (``_plan_link``, else None); the workers'
+        # counters then become views.
+        link = self._link if isinstance(self._link, SharedMemoryLink) else None
+        can_plan = all(group.is_whole and isinstance(group.index, slice) for group in groups)
+        self._plan_link = link if can_plan else None
+        if self._plan_link is not None:
             for group in groups:
                 self._assembly.counters.adopt(group.supervisor.stats, group.index)
         # The healthy step in one pass, when the link has one for this layout (``data_plane``).
         self._data_plane: DataPlane | None = None
-        if self._can_plan and self._plan_link is not None and len(self._fan_out.slices) == 1:
+        if self._plan_link is not None and len(self._fan_out.slices) == 1:
             if not self._is_limited():
                 parts = VectorParts(
                     [group.supervisor for group in groups],
@@ -461,7 +464,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             and its ``restarts``, ``recycles`` and ``lost_s``.
         """
         groups = self._groups
-        link = self._plan_link
+        link = self._link if isinstance(self._link, SharedMemoryLink) else None
         times = None if link is None else [link.batch_times(n) for n in range(len(groups))]
         return self._clock.report(
             [group.supervisor for group in groups],
@@ -536,8 +539,7 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         resets = autoreset.resets(slice(None))
         is_same_step = autoreset.is_same_step
 
-        if self._can_plan and isinstance(batch_actions, np.ndarray):
-            assert self._plan_link is not None
+        if self._plan_link is not None and isinstance(batch_actions, np.ndarray):
             is_counted = not self._is_limited()  # every worker, collected at once
             plan = self._plan_link.plan_step(batch_actions, resets, is_same_step, is_counted)
             if plan is not None:
