@@ -494,7 +494,11 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
             for variant in ("pinned", "unpinned")
         ]
     if args.baseline:
-        names += [f"{name} @baseline" for name in names if name.startswith("multienv")]
+        names += [  # an older checkout may have no "auto"
+            f"{name} @baseline"
+            for name in names
+            if name.startswith("multienv") and name != "multienv auto"
+        ]
     # Size a run so the sequential loop takes about args.seconds; parallel ones take less.
     vector_steps = max(20, int(single_rate * args.seconds / n))
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
