@@ -69,7 +69,7 @@ def test_the_worker_times_steps_and_resets_of_its_env():
     finally:
         runner.close()
     assert 0.002 <= cost.step_s < 0.02
-    assert 0 <= cost.reset_s < 0.002
+    assert 0 <= cost.reset_s < 0.02  # the one reset; a sleep-free one, with room for a busy CPU
     assert 1 <= cost.steps < 50  # the budget ended it
 
 
@@ -91,7 +91,7 @@ def test_auto_times_env_0_and_shows_what_it_chose(caplog):
         layout = envs.layout
         assert 0.002 <= layout.step_s < 0.05
         assert layout.reset_s is not None
-        assert layout.reset_s < 0.002
+        assert layout.reset_s < 0.02
         expected = choose_layout(4, CORES, layout.step_s)
         assert (layout.envs_per_worker, layout.num_workers) == (
             expected.envs_per_worker,
