@@ -42,7 +42,6 @@ from multienv.vector.fan_out import (
     ByWorker,
     FanOut,
     MakeBatch,
-    WorkerGroup,
     collect_slices,
     finish,
     group_by_worker,
@@ -52,7 +51,7 @@ from multienv.vector.fan_out import (
 )
 from multienv.vector.planning import PlanningApi
 from multienv.vector.send_recv import InFlight, SendRecvApi
-from multienv.vector.timing import CallClock, clocked
+from multienv.vector.timing import CallClock, TimingApi, clocked
 from multienv.wire.autoreset import Autoreset
 from multienv.wire.protocol import StepPlan
 from multienv.wire.space_bounds import lean_batch_space
@@ -60,7 +59,7 @@ from multienv.wire.space_bounds import lean_batch_space
 logger = logging.getLogger(__name__)
 
 
-class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
+class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
     """A Gymnasium vector env whose sub-envs run in worker processes and survive crashes.
 
     Example:
@@ -164,9 +163,8 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
             raise
 
     def _adopt(self, proxies: list[RemoteEnv], num_threads: int | None) -> None:
-        # Fewer than 30 instance attributes in all (tests/test_multi_env.py): CPython keeps
-        # at most 30 keys shared by a class's instances, and past that every ``self.x`` of
-        # the step is looked up the slow way (313 instructions more per step, counted).
+        # Under 30 instance attributes (CPython shares at most 30 keys per class; past that
+        # every ``self.x`` of the step takes the slow lookup: tests/test_multi_env.py).
         first = proxies[0]
         mode = self.observation_mode
         observation_spaces = vector_checks.observation_spaces(proxies, mode)
@@ -182,7 +180,9 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         # Spaces that differ cannot share one slot layout: their observations are pickled.
         shared_memory = self.shared_memory if is_uniform else False
 
-        groups = self._groups = _groups(proxies)
+        groups = self._groups = group_by_worker(  # in order of their first env
+            [proxy.supervisor for proxy in proxies], [proxy.position for proxy in proxies]
+        )
         self._fan_out = FanOut(groups, num_threads or 1)
         self._link = self._fan_out.link_workers(
             (self.single_observation_space, self.single_action_space), shared_memory
@@ -418,60 +418,9 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
     def layout(self) -> Layout:
         """How the envs are spread over the workers, and why (``envs_per_worker="auto"``)."""
         if self._chosen_layout is None:  # given: as the workers are
-            sizes = [len(group.supervisor.env_indices) for group in self._groups]
+            sizes = [len(group.env_ids) for group in self._groups]
             self._chosen_layout = given_layout(self.num_envs, max(sizes), len(sizes))
         return self._chosen_layout
-
-    def stats(self) -> list[dict[str, Any]]:
-        """Per env: steps, episodes, restarts, recycles, last failure cause, latency p50/p99 (s).
-
-        The latency is the round trip of the step's batch to the env's worker.
-        """
-        return [
-            {"env_index": env_index, **proxy.supervisor.stats.row(proxy.position)}
-            for env_index, proxy in enumerate(self.envs)
-        ]
-
-    def timing(self, reset: bool = True) -> dict[str, Any]:
-        """Where the caller's time went since the vector was built or the last ``timing()``.
-
-        Always on: each call that waits for the envs (``step``, ``reset``, ``send``,
-        ``recv`` and their async halves) adds its own duration, with two clock reads.
-
-        Example:
-            >>> import gymnasium as gym, numpy as np
-            >>> from multienv import MultiEnv
-            >>> with MultiEnv([lambda: gym.make("CartPole-v1")] * 2) as envs:
-            ...     _ = envs.reset(seed=0)
-            ...     _ = envs.step(np.zeros(2, dtype=np.int64))
-            ...     split = envs.timing()
-            >>> 0.0 <= split["env_bound"] <= 1.0, len(split["workers"])
-            (True, 2)
-
-        Args:
-            reset: Start a new window now (the default); False reads the window so far.
-
-        Returns:
-            ``wall_s`` (the window), ``env_s`` (the caller's time in the vector's calls),
-            ``policy_s`` (the rest: the caller's own work between calls), ``env_bound``
-            (``env_s / wall_s``), the ``restarts`` and ``recycles`` of the window and
-            ``lost_s``, the time they took; ``slowest_workers`` (up to 3, by their own
-            median batch time, else by median step latency); and ``workers``: per worker,
-            its ``env_ids``; ``step_p50_s`` and ``step_p99_s``, over its recent steps (a
-            vector's one-pass steps share one latency for all its workers);
-            ``batch_p50_s`` and ``batch_p99_s``, the worker's own time on its latest
-            batches in shared memory, without the round trip (NaN where there are none);
-            and its ``restarts``, ``recycles`` and ``lost_s``.
-        """
-        groups = self._groups
-        link = self._link if isinstance(self._link, SharedMemoryLink) else None
-        times = None if link is None else [link.batch_times(n) for n in range(len(groups))]
-        return self._clock.report(
-            [group.supervisor for group in groups],
-            [group.env_ids for group in groups],
-            reset,
-            times,
-        )
 
     def close_extras(self, timeout: float | None = None, **kwargs: Any) -> None:
         """Close every worker in parallel, each bounded by ``timeout`` seconds.
@@ -602,10 +551,3 @@ class MultiEnv(PlanningApi, SendRecvApi, VectorEnv[Any, Any, Any]):
         if errors:
             raise_first(errors)
         return tuple(results)
-
-
-def _groups(proxies: Sequence[RemoteEnv]) -> list[WorkerGroup]:
-    """The vector's workers, in order of their first env."""
-    return group_by_worker(
-        [proxy.supervisor for proxy in proxies], [proxy.position for proxy in proxies]
-    )

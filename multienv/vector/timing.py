@@ -16,11 +16,15 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
+from multienv.supervision.handles import SharedMemoryLink
 from multienv.supervision.worker_stats import LatencyRing
+
+if TYPE_CHECKING:
+    from multienv.vector.fan_out import WorkerGroup
 
 F = TypeVar("F", bound=Callable[..., Any])
 _now = time.perf_counter
@@ -121,6 +125,67 @@ class CallClock:
             self.in_calls_s = 0.0
             self._steps_s = self._steps.total_s
         return report
+
+
+class TimingApi:
+    """The methods that report a vector's steps and time; ``MultiEnv`` inherits them."""
+
+    if TYPE_CHECKING:  # what they use of the vector
+        envs: list[Any]
+        _groups: list[WorkerGroup]
+        _link: Any
+        _clock: CallClock
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per env: steps, episodes, restarts, recycles, last failure cause, latency p50/p99 (s).
+
+        The latency is the round trip of the step's batch to the env's worker.
+        """
+        return [
+            {"env_index": env_index, **proxy.supervisor.stats.row(proxy.position)}
+            for env_index, proxy in enumerate(self.envs)
+        ]
+
+    def timing(self, reset: bool = True) -> dict[str, Any]:
+        """Where the caller's time went since the vector was built or the last ``timing()``.
+
+        Always on: each call that waits for the envs (``step``, ``reset``, ``send``,
+        ``recv`` and their async halves) adds its own duration, with two clock reads.
+
+        Example:
+            >>> import gymnasium as gym, numpy as np
+            >>> from multienv import MultiEnv
+            >>> with MultiEnv([lambda: gym.make("CartPole-v1")] * 2) as envs:
+            ...     _ = envs.reset(seed=0)
+            ...     _ = envs.step(np.zeros(2, dtype=np.int64))
+            ...     split = envs.timing()
+            >>> 0.0 <= split["env_bound"] <= 1.0, len(split["workers"])
+            (True, 2)
+
+        Args:
+            reset: Start a new window now (the default); False reads the window so far.
+
+        Returns:
+            ``wall_s`` (the window), ``env_s`` (the caller's time in the vector's calls),
+            ``policy_s`` (the rest: the caller's own work between calls), ``env_bound``
+            (``env_s / wall_s``), the ``restarts`` and ``recycles`` of the window and
+            ``lost_s``, the time they took; ``slowest_workers`` (up to 3, by their own
+            median batch time, else by median step latency); and ``workers``: per worker,
+            its ``env_ids``; ``step_p50_s`` and ``step_p99_s``, over its recent steps (a
+            vector's one-pass steps share one latency for all its workers);
+            ``batch_p50_s`` and ``batch_p99_s``, the worker's own time on its latest
+            batches in shared memory, without the round trip (NaN where there are none);
+            and its ``restarts``, ``recycles`` and ``lost_s``.
+        """
+        groups = self._groups
+        link = self._link if isinstance(self._link, SharedMemoryLink) else None
+        times = None if link is None else [link.batch_times(n) for n in range(len(groups))]
+        return self._clock.report(
+            [group.supervisor for group in groups],
+            [group.env_ids for group in groups],
+            reset,
+            times,
+        )
 
 
 def _percentiles(times: np.ndarray) -> tuple[float, float]:

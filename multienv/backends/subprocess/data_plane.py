@@ -80,60 +80,14 @@ class DataPlane:
 
     # Slots, not a __dict__: past 30 attributes CPython looks every ``self.x`` up the slow
     # way, 1,800 instructions more per step (``tests/test_multi_env.py``).
-    __slots__ = (
-        "_action_dtype",
-        "_action_shape",
-        "_actions",
-        "_actions_sent",
-        "_add_info",
-        "_autoreset",
-        "_changes",
-        "_checked",
-        "_copy",
-        "_counters",
-        "_deadline",
-        "_done_read",
-        "_env_slices",
-        "_flags",
-        "_flags_to",
-        "_frame",
-        "_held",
-        "_held_bytes",
-        "_is_disabled",
-        "_is_next_step",
-        "_is_parts",
-        "_is_resets_stale",
-        "_is_same_step",
-        "_is_unthanked",
-        "_last_flags",
-        "_latencies",
-        "_needs_reset",
-        "_no_end",
-        "_obs_slots",
-        "_plan_flags",
-        "_poll",
-        "_quiet_read",
-        "_records_bytes",
-        "_records_read",
-        "_resets_held",
-        "_rewards",
-        "_sent_at",
-        "_seq",
-        "_seq_bytes",
-        "_seqs",
-        "_shared",
-        "_sizes",
-        "_spin_s",
-        "_starts",
-        "_status",
-        "_steps_held",
-        "_supervisors",
-        "_target",
-        "_timeouts",
-        "_tokens",
-        "_tokens_write",
-        "_wake_fds",
-        "parts",
+    __slots__ = tuple(
+        "_action_dtype _action_shape _actions _actions_sent _add_info _autoreset _changes "
+        "_checked _copy _counters _deadline _done_read _env_slices _flags _flags_to _frame "
+        "_held _held_bytes _is_disabled _is_next_step _is_parts _is_resets_stale _is_same_step "
+        "_is_unthanked _last_flags _latencies _needs_reset _no_end _obs_slots _plan_flags _poll "
+        "_quiet_read _records_bytes _records_read _resets_held _rewards _sent_at _seq "
+        "_seq_bytes _seqs _shared _sizes _spin_s _starts _status _steps_held _supervisors "
+        "_target _timeouts _tokens _tokens_write _wake_fds parts".split()
     )
 
     def __init__(self, shared: SharedBatch, vector: VectorParts) -> None:

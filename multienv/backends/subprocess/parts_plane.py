@@ -71,39 +71,11 @@ class PartsPlane:
 
     # Slots, not a __dict__: past 30 attributes CPython looks every ``self.x`` up the slow
     # way (as ``DataPlane``'s, ``tests/test_multi_env.py``).
-    __slots__ = (
-        "_action_dtype",
-        "_action_shape",
-        "_actions",
-        "_add_info",
-        "_autoreset",
-        "_counted",
-        "_counters",
-        "_deadlines",
-        "_done",
-        "_done_read",
-        "_env_slices",
-        "_extras",
-        "_finish_count",
-        "_finished",
-        "_flag_of_slot",
-        "_flying",
-        "_is_disabled",
-        "_is_next_step",
-        "_is_same_step",
-        "_obs_slots",
-        "_plan_flags",
-        "_plane",
-        "_resets",
-        "_sent_at",
-        "_seqs",
-        "_shared",
-        "_sizes",
-        "_starts",
-        "_supervisors",
-        "_targets",
-        "_worker_of",
-        "sent",
+    __slots__ = tuple(
+        "_action_dtype _action_shape _actions _add_info _autoreset _counted _counters "
+        "_deadlines _done _done_read _env_slices _extras _finish_count _finished _flag_of_slot "
+        "_flying _is_disabled _is_next_step _is_same_step _obs_slots _plan_flags _plane _resets "
+        "_sent_at _seqs _shared _sizes _starts _supervisors _targets _worker_of sent".split()
     )
 
     def __init__(self, plane: DataPlane, shared: SharedBatch, vector: VectorParts) -> None:
