@@ -186,6 +186,20 @@ class SegfaultOnceOnStep(CountingEnv):
         return super().step(action)
 
 
+class SegfaultOnceThenHang(CountingEnv):
+    """The first step anywhere segfaults its worker (marker file); every later step hangs."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__(episode_length=100)
+        self.marker = marker
+
+    def step(self, action):
+        if _crash_once(self.marker):
+            segfault()
+        time.sleep(3600)
+        return super().step(action)
+
+
 class SlowReset(CountingEnv):
     """reset() takes ``delay_s`` seconds; used to kill a worker in the middle of a reset."""
 

@@ -5,18 +5,20 @@ import os
 import pickle
 import signal
 import threading
+import time
 
 import gymnasium as gym
 import numpy as np
 import pytest
 
-from multienv import EnvError, EnvSnapshot, MultiEnv
+from multienv import EnvCrashLoopError, EnvError, EnvSnapshot, MultiEnv, RestartPolicy
 from multienv.wire.protocol import PairResults, Pairs, pack_states
 from tests.conftest import Layout
 from tests.envs import (
     ActionTypeEnv,
     ArrayStateCartPole,
     CountingEnv,
+    SegfaultOnceThenHang,
     SlowReset,
     StatefulCartPole,
 )
@@ -183,6 +185,21 @@ def test_a_worker_sigkilled_during_step_batch_is_replayed_to_the_undisturbed_res
             assert all(isinstance(state, np.ndarray) for state in got[0])
             for state_got, state_want in zip(got[0], want[0], strict=True):
                 np.testing.assert_array_equal(state_got, state_want)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(30)
+def test_a_step_batch_replayed_after_a_death_keeps_its_deadline(tmp_path):
+    """The replay of a dead worker's share hangs: step_timeout kills it as it did the first."""
+    factory = functools.partial(SegfaultOnceThenHang, str(tmp_path / "crashed"))
+    policy = RestartPolicy(max_restarts=1, window_s=60.0)
+    with MultiEnv([factory], step_timeout=0.5, restart_policy=policy) as envs:
+        envs.reset(seed=0)
+        states = envs.get_states()
+        began = time.monotonic()
+        with pytest.raises(EnvCrashLoopError, match="timeout"):
+            envs.step_batch(np.ones(1, dtype=np.int64), states, dt=2)
+        assert time.monotonic() - began < 10  # one segfault, one replay killed at 2 x 0.5 s
 
 
 @pytest.mark.fault

@@ -115,6 +115,7 @@ class _Pending:
     sent_at: float
     plan: StepPlan | None = None  # a planned step: this worker's envs are plan_slice
     plan_slice: slice | None = None
+    budget: tuple[int, int] = (0, 0)  # a call's env steps and resets, for its deadline
 
 
 class WorkerSupervisor:
@@ -411,17 +412,21 @@ class WorkerSupervisor:
         assert result is not None
         return result, errors
 
-    def request(self, position: int, command: Command, payload: Any, steps: int = 0) -> Any:
+    def request(
+        self, position: int, command: Command, payload: Any, steps: int = 0, resets: int = 0
+    ) -> Any:
         """Run one call on one env; a death respawns the worker and replays the call once more.
 
         Raises:
             EnvError: The env raised.
             EnvCrashLoopError: The worker kept dying and the restart budget is spent.
         """
-        self.send_request(position, command, payload, steps)
+        self.send_request(position, command, payload, steps, resets)
         return self.finish_request()
 
-    def send_request(self, position: int, command: Command, payload: Any, steps: int = 0) -> None:
+    def send_request(
+        self, position: int, command: Command, payload: Any, steps: int = 0, resets: int = 0
+    ) -> None:
         """Send one call on one env; ``finish_request()`` waits for it.
 
         Args:
@@ -429,7 +434,9 @@ class WorkerSupervisor:
             command: What to do.
             payload: The command's data.
             steps: Env steps the call makes (for ``STEP_PAIRS``): it may take that many
-                ``step_timeout``s before the worker is killed. 0: no deadline.
+                ``step_timeout``s before the worker is killed. 0 and no ``resets``: no
+                deadline. A replay after a death gets the same deadline.
+            resets: Env resets the call makes: that many ``reset_timeout``s more.
         """
         self.changes[0] += 1
         env_index = self.env_indices[position]
@@ -440,8 +447,11 @@ class WorkerSupervisor:
         request = Request(command, position, payload)
         if self._recycler is not None:
             self._recycler.forget_end_rngs()  # the call may draw from a generator
-        deadline = batch_deadline(steps, 0, self._timeouts) if steps else None
-        self._pending = _Pending(None, None, None, {}, request, deadline, time.perf_counter())
+        deadline = batch_deadline(steps, resets, self._timeouts) if steps or resets else None
+        now = time.perf_counter()
+        self._pending = _Pending(
+            None, None, None, {}, request, deadline, now, budget=(steps, resets)
+        )
         self.handle.submit(request)
 
     def finish_request(self) -> Any:
@@ -458,13 +468,13 @@ class WorkerSupervisor:
         self._pending = None
         if isinstance(reply, Death):
             self._restart(reply.cause)
-            return self.request(position, command, payload)
+            return self.request(position, command, payload, *pending.budget)
         if reply.failure is not None:
             if self._restart_on_error:
                 self.handle.kill()
                 cause = f"error: {reply.failure.type_name}"
                 self._restart(cause)
-                return self.request(position, command, payload)
+                return self.request(position, command, payload, *pending.budget)
             raise self.env_error(reply.failure, command.name.lower(), position)
         self._ledger.note_success()
         if command is Command.SET_STATE:
