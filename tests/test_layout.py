@@ -6,15 +6,23 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import cloudpickle
 import numpy as np
 import pytest
 
-from multienv import EnvError, MultiEnv, WorkerPlacement, create_subprocess_envs
+from multienv import (
+    EnvCrashedError,
+    EnvError,
+    MultiEnv,
+    RestartPolicy,
+    WorkerPlacement,
+    create_subprocess_envs,
+)
 from multienv.layout import LONG_STEP_S, MANY_CORES, choose_layout
 from multienv.worker.runner import EnvRunner
-from tests.envs import CountingEnv, EnvironEcho, RaiseInInit, SleepyEnv
+from tests.envs import CountingEnv, EnvironEcho, HangOnStep, RaiseInInit, SleepyEnv
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -121,6 +129,22 @@ def test_create_subprocess_envs_takes_auto_too():
     finally:
         for env in envs:
             env.close()
+
+
+@pytest.mark.fault
+def test_a_hang_while_auto_times_env_0_is_killed_at_its_deadline():
+    """0.2 s of steps, one step past it and two resets: about 1.2 s here, not 1000 steps."""
+    hang = functools.partial(HangOnStep, at_count=5)
+    began = time.monotonic()
+    with pytest.raises(EnvCrashedError, match=r"died \(timeout\)"):
+        MultiEnv(
+            [hang] * 2,
+            envs_per_worker="auto",
+            step_timeout=0.3,
+            reset_timeout=0.3,
+            restart_policy=RestartPolicy(max_restarts=0),
+        )
+    assert time.monotonic() - began < 10
 
 
 def test_auto_fails_as_env_0_would_and_leaves_no_worker():

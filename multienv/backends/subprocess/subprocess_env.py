@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 import multiprocessing
 import os
 import sys
@@ -445,8 +446,11 @@ def _run_probe(
         supervisor.initialize()
         if not is_measured:
             return None
+        # Deadline: the budget in steps, the step past it, the first reset and the last.
+        step_timeout = options.supervision.step_timeout
+        steps = 1 + (math.ceil(MEASURE_BUDGET_S / step_timeout) if step_timeout else 0)
         measure = (MEASURE_BUDGET_S, MEASURE_MAX_STEPS)
-        cost: StepCost = supervisor.request(0, Command.MEASURE, measure, MEASURE_MAX_STEPS)
+        cost: StepCost = supervisor.request(0, Command.MEASURE, measure, steps, resets=2)
         return cost
     finally:
         supervisor.close(timeout=1.0)
