@@ -22,7 +22,14 @@ from multienv import (
 )
 from multienv.layout import LONG_STEP_S, MANY_CORES, choose_layout
 from multienv.worker.runner import EnvRunner
-from tests.envs import CountingEnv, EnvironEcho, HangOnStep, RaiseInInit, SleepyEnv
+from tests.envs import (
+    CountingEnv,
+    EnvironEcho,
+    HangOnStep,
+    RaiseInInit,
+    RaiseOnStep,
+    SleepyEnv,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,6 +152,11 @@ def test_a_hang_while_auto_times_env_0_is_killed_at_its_deadline():
             restart_policy=RestartPolicy(max_restarts=0),
         )
     assert time.monotonic() - began < 10
+
+
+def test_an_env_that_random_actions_break_says_what_auto_did():
+    with pytest.raises(EnvError, match=r"env 0: measure\(\) raised .*boom.* random actions"):
+        MultiEnv([RaiseOnStep] * 2, envs_per_worker="auto")
 
 
 def test_auto_fails_as_env_0_would_and_leaves_no_worker():

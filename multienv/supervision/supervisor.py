@@ -475,7 +475,13 @@ class WorkerSupervisor:
                 cause = f"error: {reply.failure.type_name}"
                 self._restart(cause)
                 return self.request(position, command, payload, *pending.budget)
-            raise self.env_error(reply.failure, command.name.lower(), position)
+            advice = "The worker is still alive."
+            if command is Command.MEASURE:  # the probe of envs_per_worker="auto"
+                advice = (
+                    "envs_per_worker='auto' times env 0's reset and its steps of random "
+                    "actions (action_space.sample()); give an int envs_per_worker instead."
+                )
+            raise self.env_error(reply.failure, command.name.lower(), position, advice)
         self._ledger.note_success()
         if command is Command.SET_STATE:
             self._cuts.restored(position)
