@@ -7,7 +7,8 @@ per second of the whole vector; ``docs/performance.rst`` has the tables):
 
 - 2 cores, N=16: as many workers as cores (k=8) beats one env per worker for every env,
   cheap or not: CartPole 98,000 against 35,000, HalfCheetah 32,800 against 16,700, Pong
-  7,300 against 6,300. At N=64 the same (k=32).
+  7,300 against 6,300. At N=64 the same (k=32). At N=2, one env per worker beats one
+  worker of both: CartPole 19,200 against 17,000, Pong 6,100 against 3,400.
 - 16 cores (before the data plane): Pong, whose step takes about 0.2 ms, ran faster with
   one env per worker at N=16 (7.37x the loop against 4.83x at k=2) and at N=64 (5.50x
   against 4.78x at k=4); HalfCheetah (about 30 us a step) ran faster with as many workers
