@@ -19,7 +19,7 @@ import gymnasium as gym
 from multienv.errors import EnvCrashedError, EnvCrashLoopError, EnvError, env_error_class
 from multienv.restart import RestartPolicy
 from multienv.supervision.log_limit import failure_log
-from multienv.wire.protocol import RemoteFailure, RemoteTraceback
+from multienv.wire.protocol import Command, RemoteFailure, RemoteTraceback
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,16 @@ def remote_error(
     )
     error.__cause__ = cause
     return error
+
+
+def call_advice(command: Command) -> str:
+    """What an ``EnvError`` of a call on a live worker advises, by the call."""
+    if command is Command.MEASURE:  # the probe of envs_per_worker="auto"
+        return (
+            "envs_per_worker='auto' times env 0's reset and its steps of random actions "
+            "(action_space.sample()); give an int envs_per_worker instead."
+        )
+    return "The worker is still alive."
 
 
 def registration_hint(failure: RemoteFailure) -> str:

@@ -42,7 +42,7 @@ from multienv.errors import (
     EnvStateError,
 )
 from multienv.restart import RestartPolicy
-from multienv.supervision.failures import RestartLedger
+from multienv.supervision.failures import RestartLedger, call_advice
 from multienv.supervision.handles import Backend, Death, SharedMemoryHandle, WorkerHandle
 from multienv.supervision.lifecycle import EnvState, WorkerLife
 from multienv.supervision.log_limit import failure_log
@@ -475,12 +475,7 @@ class WorkerSupervisor:
                 cause = f"error: {reply.failure.type_name}"
                 self._restart(cause)
                 return self.request(position, command, payload, *pending.budget)
-            advice = "The worker is still alive."
-            if command is Command.MEASURE:  # the probe of envs_per_worker="auto"
-                advice = (
-                    "envs_per_worker='auto' times env 0's reset and its steps of random "
-                    "actions (action_space.sample()); give an int envs_per_worker instead."
-                )
+            advice = call_advice(command)
             raise self.env_error(reply.failure, command.name.lower(), position, advice)
         self._ledger.note_success()
         if command is Command.SET_STATE:
