@@ -102,6 +102,17 @@ def choose_layout(
     return Layout(num_envs, k, num_workers, cores, step_s, reset_s, reason)
 
 
+def is_auto(envs_per_worker: object, owner: str) -> bool:
+    """Whether ``envs_per_worker`` is ``"auto"``; a ValueError, naming ``owner``, for other strs."""
+    if not isinstance(envs_per_worker, str):
+        return False
+    if envs_per_worker != "auto":
+        raise ValueError(
+            f"{owner}(): envs_per_worker must be an int >= 1 or 'auto', got {envs_per_worker!r}"
+        )
+    return True
+
+
 def given_layout(num_envs: int, envs_per_worker: int, num_workers: int) -> Layout:
     """The layout of a vector whose ``envs_per_worker`` was given, or whose envs were."""
     reason = f"{envs_per_worker} envs per worker as given, {num_workers} workers"
@@ -116,4 +127,4 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} us"
 
 
-__all__ = ["LONG_STEP_S", "MANY_CORES", "Layout", "choose_layout", "given_layout"]
+__all__ = ["LONG_STEP_S", "MANY_CORES", "Layout", "choose_layout", "given_layout", "is_auto"]

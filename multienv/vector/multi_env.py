@@ -143,7 +143,7 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
         self.daemon = daemon
         self.observation_mode = observation_mode
         self.max_concurrency = max_concurrency
-        proxies, is_built, self._chosen_layout = vector_checks.proxies_for(
+        proxies, is_built, self._layout = vector_checks.proxies_for(
             list(envs),
             backend,
             envs_per_worker,
@@ -417,10 +417,10 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
     @property
     def layout(self) -> Layout:
         """How the envs are spread over the workers, and why (``envs_per_worker="auto"``)."""
-        if self._chosen_layout is None:  # given: as the workers are
+        if self._layout is None:  # given: as the workers are
             sizes = [len(group.env_ids) for group in self._groups]
-            self._chosen_layout = given_layout(self.num_envs, max(sizes), len(sizes))
-        return self._chosen_layout
+            self._layout = given_layout(self.num_envs, max(sizes), len(sizes))
+        return self._layout
 
     def close_extras(self, timeout: float | None = None, **kwargs: Any) -> None:
         """Close every worker in parallel, each bounded by ``timeout`` seconds.

@@ -15,7 +15,7 @@ import numpy as np
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, iterate
 
 from multienv.errors import EnvStateError, SpaceMismatchError
-from multienv.layout import Layout
+from multienv.layout import Layout, is_auto
 from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.handles import find_backend
 from multienv.supervision.lifecycle import EnvState
@@ -343,12 +343,7 @@ def proxies_for(
     if not daemon and "daemon" in chosen.options:
         options = {**options, "daemon": False}
     layout = None
-    if isinstance(envs_per_worker, str):
-        if envs_per_worker != "auto":
-            raise ValueError(
-                "MultiEnv(): envs_per_worker must be an int >= 1 or 'auto', "
-                f"got {envs_per_worker!r}"
-            )
+    if is_auto(envs_per_worker, "MultiEnv"):
         if chosen.auto_layout is None:
             raise ValueError(
                 f"envs_per_worker='auto' is not offered by the {backend!r} backend; give an int"

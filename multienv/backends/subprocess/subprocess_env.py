@@ -32,7 +32,7 @@ from multienv.backends.subprocess.process_handle import ProcessHandle
 from multienv.backends.subprocess.process_launch import WorkerRecipe
 from multienv.backends.subprocess.shm_link import open_subprocess_link
 from multienv.errors import raised_here
-from multienv.layout import Layout, choose_layout
+from multienv.layout import Layout, choose_layout, is_auto
 from multienv.placement import WorkerPlacement, placements_for
 from multienv.recycle import RecyclePolicy
 from multienv.restart import RestartPolicy
@@ -365,13 +365,9 @@ def create_subprocess_envs(
     if "env_index" in keywords:
         raise TypeError("create_subprocess_envs() numbers the envs itself; do not pass env_index")
     options = SubprocessOptions.of("create_subprocess_envs", keywords)
-    if isinstance(envs_per_worker, str):
-        if envs_per_worker != "auto":
-            raise ValueError(
-                "create_subprocess_envs(): envs_per_worker must be an int >= 1 or 'auto', "
-                f"got {envs_per_worker!r}"
-            )
+    if is_auto(envs_per_worker, "create_subprocess_envs"):
         envs_per_worker = _auto_layout(env_fns, options).envs_per_worker
+    assert not isinstance(envs_per_worker, str)  # is_auto raised for any other str
     probe = parent_spin = False
     num_workers = 0
     pins: list[Pin | None] = []
