@@ -24,7 +24,7 @@ steps, so start-up is not counted. Each layout is also counted for the bare prob
 same layout (its parent only: its forked workers run under valgrind too, slowly, uncounted),
 and the last line gives each one's instructions per added worker.
 
-``--side worker``: one worker's planned steps (``worker._Loop._fast_batch``)
+``--side worker``: one worker's planned steps (``worker.planned_step.PlannedStep``)
 stepping k=8 envs, run in this process on the vector's real shared memory and done pipes,
 counted the same way. Envs: ``zero`` (no work; HalfCheetah's spaces and its info of four
 floats), ``cartpole`` and ``halfcheetah`` (``pip install -e ".[bench]"``).
@@ -154,7 +154,12 @@ def run_worker(env_name: str, steps: int, num_envs: int = 8) -> None:
     worker_end, parent_end = socket.socketpair()
     parent_end.setblocking(False)
     loop = _Loop(worker_end, runner)
-    loop.writer, loop.is_trimmed = writer, True
+    loop.is_trimmed = True
+    if hasattr(loop, "use"):
+        loop.use(writer)
+    else:  # a checkout from before the worker's planned step (``--baseline``)
+        loop.writer = writer
+    planned = getattr(loop, "planned", None)
     actions = [
         np.asarray([probe.action_space.sample() for _ in range(num_envs)], shared.actions.dtype)
         for _ in range(64)
@@ -179,8 +184,10 @@ def run_worker(env_name: str, steps: int, num_envs: int = 8) -> None:
             shared.actions[:] = actions[t % 64]
             shared.plan_flags[:] = flags[t & 1]
             shared.done.expect(0, t % 255 + 1)
-            seq, items = writer.planned_items()  # as the loop does on a PLANNED_STEP
-            loop._fast_batch(seq, items, False, True)
+            if planned is not None:  # as the loop does on a PLANNED_STEP
+                planned.run(False)
+            else:
+                loop._fast_batch(*writer.planned_items(), False, True)
             shared.done.drain(done_read)
             drain_replies()
 

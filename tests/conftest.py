@@ -6,17 +6,23 @@ import dataclasses
 import faulthandler
 import gc
 import os
+import pickle
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
 
+import cloudpickle
 import pytest
 
 from multienv.backends.subprocess import cpu_claims
+from multienv.wire.done_pipes import DoneNotifier
 from multienv.wire.procfs import process_table
-from multienv.worker.worker import OS_NAME_PREFIX
+from multienv.wire.shared_memory import BatchLayout, SharedBatch, SlotWriter
+from multienv.worker.runner import EnvRunner
+from multienv.worker.worker import OS_NAME_PREFIX, _Loop
 
 
 def descendant_workers(name: str | None = None) -> list[int]:
@@ -203,3 +209,39 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter is not None:
             reporter.write_line(message, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def worker():
+    """A worker's loop of k envs on a vector's real shared memory, done pipes and socket.
+
+    ``worker(*env_fns)`` builds and resets the envs in this process and returns the shared
+    batch, the loop (its envs a run, ``use``d as after ATTACH) and the parent's socket end.
+    """
+    made = []
+
+    def make(*env_fns):
+        probe = env_fns[0]()
+        if not BatchLayout.supports(probe.observation_space):
+            pytest.skip("shared memory needs Linux memfd_create")
+        n = len(env_fns)
+        shared = SharedBatch(probe.observation_space, probe.action_space, n, [[0]])
+        layout = pickle.loads(pickle.dumps(shared.layout))  # as the worker receives it
+        fds = tuple(os.dup(fd) for fd in shared.done.worker_fds(0))
+        writer = SlotWriter(layout, os.dup(shared.fd), DoneNotifier(0, fds), range(n))
+        runner = EnvRunner([cloudpickle.dumps(fn) for fn in env_fns])
+        runner.build()
+        for position, env in enumerate(runner.envs):
+            env.reset(seed=position)
+        worker_end, parent_end = socket.socketpair()
+        loop = _Loop(worker_end, runner)
+        loop.is_trimmed = True
+        loop.use(writer)
+        made.append((shared, worker_end, parent_end))
+        return shared, loop, parent_end
+
+    yield make
+    for shared, worker_end, parent_end in made:
+        worker_end.close()
+        parent_end.close()
+        shared.close()

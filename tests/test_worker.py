@@ -2,16 +2,12 @@
 
 import functools
 import os
-import pickle
-import socket
 import threading
 
-import cloudpickle
 import numpy as np
 import pytest
 
 from multienv.wire import framing
-from multienv.wire.done_pipes import DoneNotifier
 from multienv.wire.framing import (
     DONE_OK,
     DONE_RECORD,
@@ -22,42 +18,9 @@ from multienv.wire.framing import (
     frame,
 )
 from multienv.wire.protocol import Command, Request
-from multienv.wire.shared_memory import BatchLayout, SharedBatch, SlotWriter
-from multienv.worker.runner import EnvRunner
-from multienv.worker.worker import _Loop
 from tests.envs import CountingEnv, RaiseOnStep
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def worker():
-    made = []
-
-    def make(*env_fns):
-        probe = env_fns[0]()
-        if not BatchLayout.supports(probe.observation_space):
-            pytest.skip("shared memory needs Linux memfd_create")
-        n = len(env_fns)
-        shared = SharedBatch(probe.observation_space, probe.action_space, n, [[0]])
-        layout = pickle.loads(pickle.dumps(shared.layout))  # as the worker receives it
-        fds = tuple(os.dup(fd) for fd in shared.done.worker_fds(0))
-        writer = SlotWriter(layout, os.dup(shared.fd), DoneNotifier(0, fds), range(n))
-        runner = EnvRunner([cloudpickle.dumps(fn) for fn in env_fns])
-        runner.build()
-        for position, env in enumerate(runner.envs):
-            env.reset(seed=position)
-        worker_end, parent_end = socket.socketpair()
-        loop = _Loop(worker_end, runner)
-        loop.writer, loop.is_trimmed = writer, True
-        made.append((shared, worker_end, parent_end))
-        return shared, loop, parent_end
-
-    yield make
-    for shared, worker_end, parent_end in made:
-        worker_end.close()
-        parent_end.close()
-        shared.close()
 
 
 def plan(shared, seq, actions, slot=1):

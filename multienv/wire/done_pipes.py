@@ -61,7 +61,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from multienv.wire.framing import DONE_OK, DONE_RECORD
+from multienv.wire.framing import DONE_OK, DONE_RECORD, DONE_REPLY
 
 _DRAIN_BYTES = 65536
 
@@ -303,10 +303,15 @@ class DoneNotifier:
     """
 
     def __init__(self, worker_number: int, fds: tuple[int, int, int]) -> None:
-        """Keep the fds."""
+        """Keep the fds, and pack every record this worker can send."""
         self.worker_number = worker_number
         self._done_fd, self._quiet_fd, self._tokens_fd = fds
-        self.status: np.ndarray | None = None  # the vector's status array, once it is mapped
+        # By kind, then seq: packed once, as a worker sends one on every step.
+        self._records = [
+            [DONE_RECORD.pack(worker_number, seq, kind) for seq in range(256)]
+            for kind in (DONE_OK, DONE_REPLY)
+        ]
+        self.status: memoryview | None = None  # the vector's status array, once it is mapped
 
     def notify(self, seq: int, kind: int, is_counted: bool, is_planned: bool = False) -> None:
         """Tell the parent batch ``seq`` is done; of a round's batches, only the last wakes it.
@@ -315,7 +320,7 @@ class DoneNotifier:
         (after the results, before the parent may wake): its seq when everything is in
         shared memory, else 0, which no seq is.
         """
-        record = DONE_RECORD.pack(self.worker_number, seq, kind)
+        record = self._records[kind][seq]
         status = self.status if is_planned else None
         if is_counted:
             os.write(self._quiet_fd, record)

@@ -200,6 +200,15 @@ class MessageReader:
         self._buffer = buffer[end:]
         return buffer[_HEADER.size : end]
 
+    @property
+    def is_empty(self) -> bool:
+        """Whether nothing read from the socket waits in the buffer."""
+        return not self._buffer
+
+    def push(self, data: bytes) -> None:
+        """Take bytes read from the socket by someone else, before those buffered."""
+        self._buffer = data + self._buffer
+
     def _read_some(self, size: int) -> bytes:
         if self._poll is not None:  # hot: keep the core awake for the next request
             poll_hot(self._poll, self._spin_s)

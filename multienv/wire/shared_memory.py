@@ -29,6 +29,7 @@ Other spaces are pickled through the pipe as before (``BatchLayout.supports``).
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import sys
@@ -371,6 +372,28 @@ def _release(mapping: _Mapping, fd: int, done: DoneChannels) -> None:
     done.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannedRows:
+    """WORKER SIDE: what a planned step reads and writes of the shared buffers, mapped once.
+
+    The worker's own rows are views (its envs are a run of the vector's, ``first`` on); the
+    per-env results are memoryviews of the whole vector's arrays, indexed by env index: a
+    store through one costs a tenth of a numpy item's.
+    """
+
+    first: int  # the vector's index of the worker's first env
+    seq: memoryview  # the worker's one byte: the seq of the planned step sent
+    plan: np.ndarray  # its envs' item flags (``framing``)
+    ends: tuple[np.ndarray, np.ndarray]  # its envs' last terminated and truncated flags
+    actions: np.ndarray | None  # its envs' actions; None: they are not shared
+    is_discrete: bool  # the actions are Discrete: each is passed as a numpy integer
+    obs: tuple[np.ndarray, np.ndarray] | None  # its envs' rows of slot 0 and 1; None: nested
+    rewards: memoryview
+    terminated: memoryview
+    truncated: memoryview
+    info_ids: memoryview  # each env's info schema id; 0: its row holds no info
+
+
 class SlotWriter:
     """WORKER SIDE: a worker's view of the shared buffers: its envs' actions, slots and results.
 
@@ -405,7 +428,7 @@ class SlotWriter:
         self.writes_each_obs = sum(array[0, 0].nbytes for _, array in self._obs) >= _LARGE_OBS
         self._is_discrete = isinstance(layout.action_space, gym.spaces.Discrete)
         self.infos = ColumnWriter(self._mapping.info_schema, self._mapping.info_cells)
-        notifier.status = self._mapping.status  # a planned step's answer goes there too
+        notifier.status = self._mapping.status.data  # a planned step's answer goes there too
         # Memoryviews of this worker's row: a store costs a tenth of a numpy item's.
         number = notifier.worker_number
         self._times = self._mapping.batch_s[number].data
@@ -432,6 +455,27 @@ class SlotWriter:
             flags = mapping.flags
             items = resolve_next_step(items, (flags[0, whole] | flags[1, whole]).tolist())
         return seq, items
+
+    def planned_rows(self) -> PlannedRows | None:
+        """The worker's rows for its planned steps; None when its envs are not a run."""
+        whole, mapping = self._whole, self._mapping
+        if whole is None:
+            return None
+        number = self.notifier.worker_number
+        obs = mapping.obs.get(()) if len(mapping.obs) == 1 else None
+        return PlannedRows(
+            first=whole.start,
+            seq=mapping.seqs[number : number + 1].data,
+            plan=mapping.plan_flags[whole],
+            ends=(mapping.flags[0, whole], mapping.flags[1, whole]),
+            actions=None if mapping.actions is None else mapping.actions[whole],
+            is_discrete=self._is_discrete,
+            obs=None if obs is None else (obs[0, whole], obs[1, whole]),
+            rewards=mapping.rewards.data,
+            terminated=mapping.flags[0].data,
+            truncated=mapping.flags[1].data,
+            info_ids=mapping.info_schema.data,
+        )
 
     def read_actions(self, positions: Sequence[int]) -> list[Any]:
         """The actions of the envs at ``positions`` as the parent wrote them.

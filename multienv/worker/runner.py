@@ -93,6 +93,14 @@ class EnvRunner:
             for position, env in enumerate(self.envs)
         ]
 
+    @property
+    def checks(self) -> list[ObsCheck | None]:
+        """Each env's observation check, by position: a problem's text, or None if it fits.
+
+        None in place of a check: the space takes any observation of its type.
+        """
+        return self._checks
+
     def has_own_state(self, position: int) -> bool:
         """Whether the env has ``get_state()`` and ``set_state(state)`` of its own."""
         return self._state_access(position)[1] is not None

@@ -51,6 +51,7 @@ from multienv.wire.protocol import Command, Order, Outcome, OwnerWatch, Reply, R
 from multienv.wire.shared_memory import BatchLayout, SlotWriter
 from multienv.wire.space_bounds import dumps_compact
 from multienv.wire.worker_settings import WorkerSettings
+from multienv.worker.planned_step import PlannedStep
 from multienv.worker.runner import (
     BuildError,
     EnvRunner,
@@ -167,9 +168,9 @@ class _Loop:
         self.fd = conn.fileno()
         self.runner = runner
         self.writer: SlotWriter | None = None  # set by ATTACH
+        self.planned: PlannedStep | None = None  # set by ATTACH, when the envs are a run
         self.spin_s = spin_s
         self.is_trimmed = False  # the heap was trimmed after the first resets
-        self.planned_seq = 0  # of the planned step just run; any other request clears it
 
     def _trim_once(self) -> None:
         """After the worker's first batch with resets, give the heap's free pages back.
@@ -180,22 +181,27 @@ class _Loop:
         (``keep_freed_heap``).
         """
         self.is_trimmed = True
+        if self.planned is not None:
+            self.planned.on_reset = None
         release_free_memory()
         keep_freed_heap()
 
     def serve(self) -> None:
-        read = MessageReader(self.fd, self.spin_s).read
+        reader = MessageReader(self.fd, self.spin_s)
+        read = reader.read
         while True:
             request = read()
             kind = request[0]
             if kind == PLANNED_STEP or kind == PLANNED_STEP_COUNTED:
-                assert self.writer is not None
-                seq, items = self.writer.planned_items()
-                if seq != self.planned_seq:  # a parent interrupted may wake it twice
-                    self.planned_seq = seq
-                    self._fast_batch(seq, items, kind == PLANNED_STEP_COUNTED, True)
+                assert self.planned is not None  # the parent plans only workers of a run
+                is_counted = kind == PLANNED_STEP_COUNTED
+                if reader.is_empty:  # steps on, reading the pipe itself, while they come
+                    reader.push(self.planned.serve(is_counted))
+                elif self.planned.run(is_counted) and self.planned.on_reset is not None:
+                    self.planned.on_reset()
                 continue
-            self.planned_seq = 0
+            if self.planned is not None:
+                self.planned.last_seq = 0
             if kind == FAST_BATCH or kind == FAST_BATCH_COUNTED:
                 seq, raw_items = decode_fast_batch(request)
                 self._fast_batch(seq, list(raw_items), kind == FAST_BATCH_COUNTED, False)
@@ -227,10 +233,20 @@ class _Loop:
         write_message(self.fd, encode(Reply()))
         memory_fd = recv_handle(self.conn)
         done_fds = (recv_handle(self.conn), recv_handle(self.conn), recv_handle(self.conn))
-        self.writer = SlotWriter(
-            layout, memory_fd, DoneNotifier(worker_number, done_fds), env_indices
-        )
+        self.use(SlotWriter(layout, memory_fd, DoneNotifier(worker_number, done_fds), env_indices))
         write_message(self.fd, encode(Reply()))
+
+    def use(self, writer: SlotWriter) -> None:
+        """Answer fast batches and planned steps through ``writer`` from now on."""
+        self.writer = writer
+        rows = writer.planned_rows()
+        self.planned = None
+        if rows is not None:
+            self.planned = PlannedStep(
+                rows, writer, self.runner, self._fast_batch, self.fd, self.spin_s
+            )
+            if not self.is_trimmed:
+                self.planned.on_reset = self._trim_once
 
     def _batch(self, orders: list[Order]) -> Reply:
         """Run pickled orders whose observations go to shared-memory slots."""
