@@ -185,7 +185,7 @@ def run_worker(env_name: str, steps: int, num_envs: int = 8) -> None:
             shared.plan_flags[:] = flags[t & 1]
             shared.done.expect(0, t % 255 + 1)
             if planned is not None:  # as the loop does on a PLANNED_STEP
-                planned.run(False)
+                planned.run(framing.PLANNED_STEP)
             else:
                 loop._fast_batch(*writer.planned_items(), False, True)
             shared.done.drain(done_read)

@@ -18,7 +18,9 @@ of message travel:
   on every step: a fast batch of every env of the worker, in position order, whose seq and
   item flags the parent wrote into the vector's shared memory (``shared_memory``). Waking a
   worker for a vector's step is one constant write. It is answered as a fast batch, and in
-  the worker's status too (``done_pipes``).
+  the worker's status too (``done_pipes``). In a vector's data plane, ``PLANNED_ROUND``:
+  counted, and a worker that has everything in shared memory answers with its status
+  alone, with no record in the quiet pipe.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ FAST_BATCH = 0x01
 FAST_BATCH_COUNTED = 0x02  # a fast batch of a round: only the round's last worker wakes
 PLANNED_STEP = 0x03  # every env of the worker; seq and flags in shared memory
 PLANNED_STEP_COUNTED = 0x04  # the same, one of a round's
+PLANNED_ROUND = 0x05  # one of a data plane's round: an answer all in shared memory is its status
+PLANNED_KINDS = (PLANNED_STEP, PLANNED_STEP_COUNTED, PLANNED_ROUND)
 FAST_ITEM = struct.Struct("<HB")  # position, flags
 ITEM_DTYPE = np.dtype([("position", "<u2"), ("flags", "u1")])  # FAST_ITEM, as numpy
 IS_RESET, IS_AUTORESET, IS_SLOT_1, IS_KEEP_NP_RANDOM = 1, 2, 4, 8  # the flags of a FAST_ITEM
@@ -129,6 +133,8 @@ def frame(payload: bytes) -> bytes:
 
 PLANNED_FRAMES = (frame(bytes([PLANNED_STEP])), frame(bytes([PLANNED_STEP_COUNTED])))
 """The framed planned step, uncounted and counted: what wakes a worker for a vector's step."""
+ROUND_FRAME = frame(bytes([PLANNED_ROUND]))
+"""The framed planned step of a data plane's round (``data_plane``, ``done_pipes``)."""
 
 
 def write_message(fd: int, payload: bytes) -> None:

@@ -41,6 +41,10 @@ from multienv.wire.framing import (
     IS_RESET,
     IS_SLOT_1,
     PLANNED_FRAMES,
+    PLANNED_ROUND,
+    PLANNED_STEP,
+    PLANNED_STEP_COUNTED,
+    ROUND_FRAME,
     poll_hot,
     write_message,
 )
@@ -51,7 +55,12 @@ from multienv.worker.runner import EnvRunner, encode_reply, np_random_or_none, p
 _perf_counter = time.perf_counter
 _UNUSUAL = IS_RESET | IS_AUTORESET  # flags that the general fast batch handles
 _READ_BYTES = 65536  # as ``MessageReader`` reads
-GeneralBatch = Callable[[int, list[tuple[int, int]], bool, bool], None]
+_KIND_OF_FRAME = {
+    PLANNED_FRAMES[False]: PLANNED_STEP,
+    PLANNED_FRAMES[True]: PLANNED_STEP_COUNTED,
+    ROUND_FRAME: PLANNED_ROUND,
+}
+GeneralBatch = Callable[[int, list[tuple[int, int]], bool, bool, bool], None]
 
 
 class PlannedStep:
@@ -61,7 +70,7 @@ class PlannedStep:
         rows: The worker's rows of the shared buffers (``SlotWriter.planned_rows``).
         writer: The worker's writer: its info columns, done notifier and batch times.
         runner: The worker's envs and their observation checks.
-        general: The general fast batch: ``(seq, items, is_counted, is_planned)``.
+        general: The general fast batch: ``(seq, items, is_counted, is_planned, is_round)``.
         fd: The worker's pipe, where a reply goes.
     """
 
@@ -116,34 +125,36 @@ class PlannedStep:
         self.on_reset: Callable[[], None] | None = None  # called after a step that reset
         self.last_seq = 0  # the seq of the planned step just run; 0 after any other request
 
-    def serve(self, is_counted: bool) -> bytes:
+    def serve(self, kind: int) -> bytes:
         """Run planned steps as long as the parent sends nothing else; what it sent then.
 
         Reads the worker's pipe itself, as the probe's worker does, while each read is one
         planned step's wake-up; the first read that is anything else is returned, for the
         worker's general loop (``MessageReader.push``).
 
+        Args:
+            kind: The first step's kind (``framing.PLANNED_KINDS``).
+
         Raises:
             EOFError: The parent's end of the pipe closed.
         """
-        fd, counted, uncounted = self._fd, PLANNED_FRAMES[True], PLANNED_FRAMES[False]
+        fd, kinds = self._fd, _KIND_OF_FRAME
         while True:
-            if self.run(is_counted) and self.on_reset is not None:
+            if self.run(kind) and self.on_reset is not None:
                 self.on_reset()
             if self._poll is not None:  # hot: keep the core awake for the next wake-up
                 poll_hot(self._poll, self._spin_s)
             data = os.read(fd, _READ_BYTES)
-            if data == counted:
-                is_counted = True
-            elif data == uncounted:
-                is_counted = False
+            next_kind = kinds.get(data)
+            if next_kind is not None:
+                kind = next_kind
             elif data:
                 return data
             else:
                 raise EOFError("the other end of the pipe closed")
 
-    def run(self, is_counted: bool) -> bool:
-        """Run the planned step the parent sent; whether it reset any env.
+    def run(self, kind: int) -> bool:
+        """Run the planned step the parent sent, of that kind; whether it reset any env.
 
         A parent interrupted while it woke the workers may wake one twice for a seq: the
         second wake-up finds the seq run already and does nothing.
@@ -154,10 +165,11 @@ class PlannedStep:
         if seq == self.last_seq:
             return False
         self.last_seq = seq
+        is_counted, is_round = kind != PLANNED_STEP, kind == PLANNED_ROUND
         plan = rows.plan.tobytes()
         flags = plan[0]
         if plan != self._uniform[flags] or flags & _UNUSUAL or rows.actions is None:
-            self._general(seq, self._writer.planned_items()[1], is_counted, True)
+            self._general(seq, self._writer.planned_items()[1], is_counted, True, is_round)
             return False
         ended: bytes | list[int] = self._no_ends
         if flags & IS_NEXT_STEP:  # an env whose last result ended resets instead
@@ -230,9 +242,9 @@ class PlannedStep:
         schemas = infos.take_pending() if infos.pending else None
         writer.note_batch_time(_perf_counter() - began)
         if extras is None and schemas is None:
-            writer.notifier.notify(seq, DONE_OK, is_counted, True)
+            writer.notifier.notify(seq, DONE_OK, is_counted, True, is_round)
         else:
-            writer.notifier.notify(seq, DONE_REPLY, is_counted, True)
+            writer.notifier.notify(seq, DONE_REPLY, is_counted, True, is_round)
             reply = Reply({} if extras is None else extras, schemas=schemas)
             write_message(self._fd, encode_reply(reply, None, resets))
         return resets is not None

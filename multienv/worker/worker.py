@@ -38,8 +38,7 @@ from multienv.wire.framing import (
     IS_INFO_COLUMNS,
     IS_KEEP_NP_RANDOM,
     IS_RESET,
-    PLANNED_STEP,
-    PLANNED_STEP_COUNTED,
+    PLANNED_KINDS,
     MessageReader,
     decode,
     decode_fast_batch,
@@ -192,12 +191,11 @@ class _Loop:
         while True:
             request = read()
             kind = request[0]
-            if kind == PLANNED_STEP or kind == PLANNED_STEP_COUNTED:
+            if kind in PLANNED_KINDS:
                 assert self.planned is not None  # the parent plans only workers of a run
-                is_counted = kind == PLANNED_STEP_COUNTED
                 if reader.is_empty:  # steps on, reading the pipe itself, while they come
-                    reader.push(self.planned.serve(is_counted))
-                elif self.planned.run(is_counted) and self.planned.on_reset is not None:
+                    reader.push(self.planned.serve(kind))
+                elif self.planned.run(kind) and self.planned.on_reset is not None:
                     self.planned.on_reset()
                 continue
             if self.planned is not None:
@@ -271,12 +269,18 @@ class _Loop:
         return outcome
 
     def _fast_batch(
-        self, seq: int, items: list[tuple[int, int]], is_counted: bool, is_planned: bool
+        self,
+        seq: int,
+        items: list[tuple[int, int]],
+        is_counted: bool,
+        is_planned: bool,
+        is_round: bool = False,
     ) -> None:
         """Run a fast batch: everything but infos and errors goes through shared memory.
 
         ``items``: each env's ``(position, flags)``; ``is_counted``: one of a round's
-        batches; ``is_planned``: a planned step, answered in the worker's status too.
+        batches; ``is_planned``: a planned step, answered in the worker's status too;
+        ``is_round``: of a data plane's round, where that status is the whole answer.
         Kept free of per-env objects: on cheap envs the loop costs as much as the envs.
         """
         began = _perf_counter()
@@ -349,9 +353,9 @@ class _Loop:
         schemas = columns.take_pending() if columns.pending else None
         writer.note_batch_time(_perf_counter() - began)
         if not extras and schemas is None:
-            writer.notifier.notify(seq, DONE_OK, is_counted, is_planned)
+            writer.notifier.notify(seq, DONE_OK, is_counted, is_planned, is_round)
         else:
-            writer.notifier.notify(seq, DONE_REPLY, is_counted, is_planned)
+            writer.notifier.notify(seq, DONE_REPLY, is_counted, is_planned, is_round)
             write_message(self.fd, encode_reply(Reply(extras, schemas=schemas), None, resets))
         if resets and not self.is_trimmed:
             self._trim_once()

@@ -5,8 +5,9 @@ nothing lost, not recycling) reads top to bottom, like ``scripts/bare_probe.py``
 
     actions, item flags, seqs  -> shared memory, one numpy write each
     W - 1 tokens               -> the token pipe, one write (``done_pipes``)
-    one wake-up per worker     -> the constant PLANNED_STEP byte on its pipe (``framing``)
+    one wake-up per worker     -> the constant PLANNED_ROUND byte on its pipe (``framing``)
     one poll                   <- the done pipe, every worker's death sentinel, the deadline
+    the last worker's record   <- the done pipe, one read; the others answer in their status
     status, rewards, flags, observations, infos, counts: read and kept as arrays
 
 Nothing in it loops over workers but the wake-up. Everything the failure table promises is
@@ -36,11 +37,14 @@ from gymnasium.vector import AutoresetMode
 from multienv.backends.subprocess.process_handle import ProcessHandle
 from multienv.supervision.handles import PartsPlane, StepBatch, VectorParts
 from multienv.wire.framing import (
+    DONE_OK,
+    DONE_RECORD,
     IS_AUTORESET,
     IS_INFO_COLUMNS,
     IS_NEXT_STEP,
     IS_SLOT_1,
     PLANNED_FRAMES,
+    ROUND_FRAME,
     poll_hot,
 )
 from multienv.wire.protocol import StepPlan
@@ -117,7 +121,7 @@ class DataPlane:
         self._is_parts = False  # send()/recv() of some workers went by since (``parts_plane``)
         self.parts: PartsPlane | None = None  # the same workers' send()/recv(); the link's
         self._tokens = bytes(num_workers - 1)  # none for a lone worker: it wakes the parent
-        self._frame = PLANNED_FRAMES[num_workers > 1]
+        self._frame = ROUND_FRAME if num_workers > 1 else PLANNED_FRAMES[False]
         self._records_bytes = 4 * num_workers + 64  # more than a step's records
         assert shared.actions is not None
         self._actions = shared.actions
@@ -230,14 +234,8 @@ class DataPlane:
             if not events and not self._is_late():
                 return None  # the caller's timeout, not a worker's deadline
             return self._hand_over(b"")
+        # The last worker's record: the others answered in their status (``done_pipes``).
         records = self._records_read = os.read(self._done_read, self._records_bytes)
-        if self._tokens:
-            try:  # the round's other workers
-                records = self._records_read = records + os.read(
-                    self._quiet_read, self._records_bytes
-                )
-            except BlockingIOError:
-                return self._hand_over(records)
         if self._status.tobytes() != self._seq_bytes[self._seq]:
             return self._hand_over(records)  # a worker answered with a message too
         # Every worker is done and idle: from here on an exception loses this step's
@@ -442,11 +440,20 @@ class DataPlane:
         actions = self._actions_sent
         assert actions is not None
         self._actions_sent = None
+        shared = self._shared
+        if self._tokens:  # a round: each worker's record, wherever it is (``done_pipes``)
+            shared.done.drain_tokens()  # from now on, each worker still stepping wakes us
+            seq = self._seq
+            answered = np.flatnonzero(self._status == seq).tolist()
+            records += b"".join(DONE_RECORD.pack(worker, seq, DONE_OK) for worker in answered)
+            try:
+                records += os.read(self._quiet_read, self._records_bytes)
+            except BlockingIOError:
+                pass  # every worker done so far answered in its status
         if self._is_next_step:  # the envs the last step ended reset in this one
             is_reset = np.asarray(self._last_ends().any(axis=0))
         else:
             is_reset = np.zeros(len(self._needs_reset), dtype=np.bool_)
-        shared = self._shared
         plan = StepPlan(
             actions,
             is_reset,
