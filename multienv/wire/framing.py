@@ -151,6 +151,15 @@ def write_frame(fd: int, data: bytes) -> None:
             view = view[os.write(fd, view) :]
 
 
+def hot_poll(fd: int, spin_s: float) -> Callable[[int], list[tuple[int, int]]] | None:
+    """A poll of ``fd`` for ``poll_hot`` when reads of it spin (``spin_s`` > 0), else None."""
+    if spin_s <= 0:
+        return None
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return poller.poll
+
+
 def poll_hot(poll: Callable[[int], list[tuple[int, int]]], spin_s: float) -> list[tuple[int, int]]:
     """Poll without sleeping for up to ``spin_s``, yielding the core between polls.
 
@@ -185,11 +194,7 @@ class MessageReader:
         self._fd = fd
         self._buffer = b""
         self._spin_s = spin_s
-        self._poll = None
-        if spin_s > 0:
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            self._poll = poller.poll
+        self._poll = hot_poll(fd, spin_s)
 
     def read(self) -> bytes:
         """Block until one whole message is in, and return its payload."""

@@ -26,7 +26,6 @@ go back in a ``Reply`` on the worker's pipe (``DONE_REPLY``); the other envs ste
 from __future__ import annotations
 
 import os
-import select
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +44,7 @@ from multienv.wire.framing import (
     PLANNED_STEP,
     PLANNED_STEP_COUNTED,
     ROUND_FRAME,
+    hot_poll,
     poll_hot,
     write_message,
 )
@@ -117,11 +117,7 @@ class PlannedStep:
         # a lone env's too, as there is nothing to batch; nested ones by the writer.
         self._writes_each_obs = writer.writes_each_obs or size == 1 or rows.obs is None
         self._spin_s = spin_s
-        self._poll = None
-        if spin_s > 0:
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            self._poll = poller.poll
+        self._poll = hot_poll(fd, spin_s)
         self.on_reset: Callable[[], None] | None = None  # called after a step that reset
         self.last_seq = 0  # the seq of the planned step just run; 0 after any other request
 
