@@ -298,6 +298,22 @@ class DoneChannels:
         part = self._slices[0]
         return part.done[0], part.quiet[0], part.tokens[1], part.size
 
+    def hand_over_round(self, status: np.ndarray, seq: int) -> bytes:
+        """The records of a data plane's round that the parent hands over (one slice).
+
+        Takes the tokens left first: each worker still stepping then writes its record to
+        the done pipe. Then each worker whose status says ``seq`` gets its ``DONE_OK``
+        record, and the quiet pipe's records (answers with a message) are read.
+        """
+        part = self._slices[0]
+        _drain(part.tokens[0])
+        answered = np.flatnonzero(status == seq).tolist()
+        records = b"".join(DONE_RECORD.pack(worker, seq, DONE_OK) for worker in answered)
+        try:
+            return records + os.read(part.quiet[0], _DRAIN_BYTES)
+        except BlockingIOError:
+            return records  # every worker done so far answered in its status
+
     def drain_tokens(self) -> None:
         """Drop the tokens left in every slice's pipe (``data_plane``, before its rounds)."""
         for part in self._slices:

@@ -37,8 +37,6 @@ from gymnasium.vector import AutoresetMode
 from multienv.backends.subprocess.process_handle import ProcessHandle
 from multienv.supervision.handles import PartsPlane, StepBatch, VectorParts
 from multienv.wire.framing import (
-    DONE_OK,
-    DONE_RECORD,
     IS_AUTORESET,
     IS_INFO_COLUMNS,
     IS_NEXT_STEP,
@@ -89,7 +87,7 @@ class DataPlane:
         "_checked _copy _counters _deadline _done_read _env_slices _flags _flags_to _frame "
         "_held _held_bytes _is_disabled _is_next_step _is_parts _is_resets_stale _is_same_step "
         "_is_unthanked _last_flags _latencies _needs_reset _no_end _obs_slots _plan_flags _poll "
-        "_quiet_read _records_bytes _records_read _resets_held _rewards _sent_at _seq "
+        "_records_bytes _records_read _resets_held _rewards _sent_at _seq "
         "_seq_bytes _seqs _shared _sizes _spin_s _starts _status _steps_held _supervisors "
         "_target _timeouts _tokens _tokens_write _wake_fds parts".split()
     )
@@ -98,7 +96,7 @@ class DataPlane:
         """Share one change counter among the workers; nothing is checked or sent yet."""
         supervisors, env_slices = vector.supervisors, vector.env_slices
         autoreset, counters = vector.autoreset, vector.counters
-        self._done_read, self._quiet_read, self._tokens_write, _ = shared.done.pipes()
+        self._done_read, _, self._tokens_write, _ = shared.done.pipes()
         num_workers, num_envs = len(supervisors), shared.num_envs
         self._shared = shared
         self._supervisors = list(supervisors)
@@ -442,14 +440,7 @@ class DataPlane:
         self._actions_sent = None
         shared = self._shared
         if self._tokens:  # a round: each worker's record, wherever it is (``done_pipes``)
-            shared.done.drain_tokens()  # from now on, each worker still stepping wakes us
-            seq = self._seq
-            answered = np.flatnonzero(self._status == seq).tolist()
-            records += b"".join(DONE_RECORD.pack(worker, seq, DONE_OK) for worker in answered)
-            try:
-                records += os.read(self._quiet_read, self._records_bytes)
-            except BlockingIOError:
-                pass  # every worker done so far answered in its status
+            records += shared.done.hand_over_round(self._status, self._seq)
         if self._is_next_step:  # the envs the last step ended reset in this one
             is_reset = np.asarray(self._last_ends().any(axis=0))
         else:
