@@ -19,7 +19,7 @@ from multienv.backends.subprocess.data_plane import DataPlane
 from multienv.supervision.supervisor import WorkerSupervisor
 from multienv.wire.framing import DONE_REPLY, PLANNED_FRAMES
 from tests.conftest import wait_until_dead
-from tests.envs import CountingEnv, FixedLengthEnv, SleepyEnv
+from tests.envs import CountingEnv, FixedLengthEnv, HangOnStep, SleepyEnv
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -186,3 +186,31 @@ def test_a_stale_record_never_answers_a_step_handed_over(hand_overs):
         assert truncated.tolist() == [False, True]
         assert obs[0, 0] == 3.0
         assert hand_overs["hand_over"] >= 1
+
+
+def test_a_round_handed_over_on_a_death_collects_the_workers_that_answer_after_it(hand_overs):
+    # Its workers answer in their status alone. The death hands the round over while two
+    # workers still step: each must find no token left and wake the parent with its record
+    # (the dead one's token, given up, would let only one of them do so).
+    fns = [
+        lambda: CountingEnv(episode_length=1000),
+        lambda: HangOnStep(at_count=3),  # killed in its third step
+        lambda: HangOnStep(at_count=3, hang_s=0.6),  # both done after the death is seen
+        lambda: HangOnStep(at_count=3, hang_s=0.9),
+    ]
+    with MultiEnv(fns, envs_per_worker=1) as envs:
+        envs.reset(seed=0)
+        actions = np.ones(4, dtype=np.int64)
+        envs.step(actions)  # the first infos' schemas: a hand-over
+        envs.step(actions)
+        before = hand_overs["hand_over"]
+        envs.step_async(actions)
+        time.sleep(0.2)
+        dead = envs.envs[1].pid
+        os.kill(dead, signal.SIGKILL)
+        began = time.monotonic()
+        obs, _, _, truncated, _ = envs.step_wait()
+        assert time.monotonic() - began < 5.0
+        assert truncated.tolist() == [False, True, False, False]
+        assert obs[[0, 2, 3], 0].tolist() == [3.0, 3.0, 3.0]
+        assert hand_overs["hand_over"] == before + 1
