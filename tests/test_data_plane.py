@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
 
 import gymnasium as gym
@@ -214,3 +215,20 @@ def test_a_round_handed_over_on_a_death_collects_the_workers_that_answer_after_i
         assert truncated.tolist() == [False, True, False, False]
         assert obs[[0, 2, 3], 0].tolist() == [3.0, 3.0, 3.0]
         assert hand_overs["hand_over"] == before + 1
+
+
+def test_once_attached_a_worker_reads_its_requests_from_a_pipe_and_closes_by_itself():
+    envs = MultiEnv([CountingEnv] * 2, envs_per_worker=1)
+    try:
+        envs.reset(seed=0)
+        envs.step(np.ones(2, dtype=np.int64))
+        fds = envs._data_plane.wake_fds  # where the step's wake-ups and requests go
+        assert len(fds) == 2
+        assert all(stat.S_ISFIFO(os.fstat(fd).st_mode) for fd in fds)
+        assert envs.call("add", 2, 3) == (5, 5)  # a request on the pipe, its reply on the socket
+        pids = [envs.envs[i].pid for i in range(2)]
+    finally:
+        began = time.monotonic()
+        envs.close()
+    assert time.monotonic() - began < 2.0  # CLOSE read from the pipe: nothing killed late
+    wait_until_dead(pids)

@@ -1,8 +1,11 @@
 """BOTH SIDES: the one definition of the bytes on a worker's pipe.
 
 Messages are framed with a 4-byte length (``frame`` / ``write_message`` / ``MessageReader``,
-straight on the socket's fd, so a small message costs one system call each way). Two kinds
-of message travel:
+straight on the fd, so a small message costs one system call each way). A worker's socket
+carries everything until the parent attaches it to a vector's shared memory; from then on
+its requests travel on a pipe of their own, which the attach hands it (a pipe's write and
+read cost two thirds of a socket's, on every wake-up), and the socket carries its replies
+and the fds. Two kinds of message travel:
 
 - a pickled ``protocol.Request`` (plain ``pickle``; multiprocessing's own ``send`` builds a
   ForkingPickler per message and reads twice, which together cost more than a CartPole
@@ -181,7 +184,7 @@ def poll_hot(poll: Callable[[int], list[tuple[int, int]]], spin_s: float) -> lis
 
 
 class MessageReader:
-    """Reads framed messages from a socket fd; raises EOFError when the other end is gone.
+    """Reads framed messages from a socket or pipe fd; EOFError when the other end is gone.
 
     Args:
         fd: The socket to read; its owner closes it.
@@ -191,6 +194,7 @@ class MessageReader:
 
     def __init__(self, fd: int, spin_s: float = 0.0) -> None:
         """Start with nothing buffered."""
+        self.fd = fd
         self._fd = fd
         self._buffer = b""
         self._spin_s = spin_s

@@ -71,7 +71,8 @@ class PlannedStep:
         writer: The worker's writer: its info columns, done notifier and batch times.
         runner: The worker's envs and their observation checks.
         general: The general fast batch: ``(seq, items, is_counted, is_planned, is_round)``.
-        fd: The worker's pipe, where a reply goes.
+        request_fd: Where the worker reads its requests, and so its wake-ups.
+        fd: The worker's socket, where a reply goes.
     """
 
     __slots__ = (
@@ -82,6 +83,7 @@ class PlannedStep:
         "_no_ends",
         "_poll",
         "_positions",
+        "_request_fd",
         "_rows",
         "_runner",
         "_spin_s",
@@ -98,6 +100,7 @@ class PlannedStep:
         writer: SlotWriter,
         runner: EnvRunner,
         general: GeneralBatch,
+        request_fd: int,
         fd: int,
         spin_s: float = 0.0,
     ) -> None:
@@ -110,6 +113,7 @@ class PlannedStep:
         self._writer = writer
         self._general = general
         self._fd = fd
+        self._request_fd = request_fd
         self._positions = range(size)
         self._uniform = [bytes([flags]) * size for flags in range(256)]
         self._no_ends = bytes(size)
@@ -117,7 +121,7 @@ class PlannedStep:
         # a lone env's too, as there is nothing to batch; nested ones by the writer.
         self._writes_each_obs = writer.writes_each_obs or size == 1 or rows.obs is None
         self._spin_s = spin_s
-        self._poll = hot_poll(fd, spin_s)
+        self._poll = hot_poll(request_fd, spin_s)
         self.on_reset: Callable[[], None] | None = None  # called after a step that reset
         self.last_seq = 0  # the seq of the planned step just run; 0 after any other request
 
@@ -134,7 +138,7 @@ class PlannedStep:
         Raises:
             EOFError: The parent's end of the pipe closed.
         """
-        fd, kinds = self._fd, _KIND_OF_FRAME
+        fd, kinds = self._request_fd, _KIND_OF_FRAME
         while True:
             if self.run(kind) and self.on_reset is not None:
                 self.on_reset()

@@ -4,9 +4,10 @@ The worker talks to its parent only through the wire modules (``protocol``, ``fr
 ``shared_memory``). It ignores SIGINT (the parent got
 the same Ctrl-C and owns shutdown), sends its stderr to the parent through a pipe (the parent
 forwards it and keeps the last lines for crash reports), and exits by itself when the parent
-process dies, even by SIGKILL. Once the parent attaches the vector's shared memory, a fast
-batch steps all the envs it names in one wake-up, writes their observations, rewards and
-flags there, and answers with one DONE record.
+process dies, even by SIGKILL. Once the parent attaches the vector's shared memory, the
+worker reads its requests from the pipe that came with it (its socket then carries replies
+and fds), a fast batch steps all the envs it names in one wake-up, writes their
+observations, rewards and flags there, and answers with one DONE record.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ class _Loop:
 
     def __init__(self, conn: Connection, runner: EnvRunner, spin_s: float = 0.0) -> None:
         self.conn = conn
-        self.fd = conn.fileno()
+        self.fd = conn.fileno()  # replies go here, and fds come; requests until attached
+        self.reader = MessageReader(self.fd, spin_s)  # of requests: a pipe's once attached
         self.runner = runner
         self.writer: SlotWriter | None = None  # set by ATTACH
         self.planned: PlannedStep | None = None  # set by ATTACH, when the envs are a run
@@ -186,10 +188,9 @@ class _Loop:
         keep_freed_heap()
 
     def serve(self) -> None:
-        reader = MessageReader(self.fd, self.spin_s)
-        read = reader.read
         while True:
-            request = read()
+            reader = self.reader  # a new one after each ATTACH
+            request = reader.read()
             kind = request[0]
             if kind in PLANNED_KINDS:
                 assert self.planned is not None  # the parent plans only workers of a run
@@ -231,6 +232,12 @@ class _Loop:
         write_message(self.fd, encode(Reply()))
         memory_fd = recv_handle(self.conn)
         done_fds = (recv_handle(self.conn), recv_handle(self.conn), recv_handle(self.conn))
+        request_fd = recv_handle(self.conn)
+        if not self.reader.is_empty:  # the parent waits for the acks: nothing can be here
+            raise RuntimeError("a request came between ATTACH and its fds")
+        if self.reader.fd != self.fd:
+            os.close(self.reader.fd)  # the last link's pipe
+        self.reader = MessageReader(request_fd, self.spin_s)
         self.use(SlotWriter(layout, memory_fd, DoneNotifier(worker_number, done_fds), env_indices))
         write_message(self.fd, encode(Reply()))
 
@@ -241,7 +248,7 @@ class _Loop:
         self.planned = None
         if rows is not None:
             self.planned = PlannedStep(
-                rows, writer, self.runner, self._fast_batch, self.fd, self.spin_s
+                rows, writer, self.runner, self._fast_batch, self.reader.fd, self.fd, self.spin_s
             )
             if not self.is_trimmed:
                 self.planned.on_reset = self._trim_once

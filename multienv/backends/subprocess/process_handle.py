@@ -92,7 +92,10 @@ class ProcessHandle:
         self._process: BaseProcess | None = None  # None once reaped
         self._pid: int | None = None
         self._conn: Connection | None = None
-        self._fd = -1  # self._conn's fd, written to directly
+        self._fd = -1  # self._conn's fd, where replies come
+        # Once attached, requests go through a pipe of their own (``attach``); else conn.
+        self._requests: Connection | None = None
+        self._request_fd = -1  # where requests are written, directly
         self._reader: MessageReader | None = None
         self._poller: Any = None  # select.poll over the pipe, the sentinel and the done pipe
         self._stderr: StderrPipe | None = None
@@ -138,6 +141,8 @@ class ProcessHandle:
         process = launched.process
         self._process, self._conn, self._pid = process, launched.conn, process.pid
         self._fd = launched.conn.fileno()
+        self._requests = launched.requests  # a standby's, attached ahead
+        self._request_fd = self._fd if self._requests is None else self._requests.fileno()
         self._reader = launched.reader
         # Registered once per worker: a poll() per reply is one syscall, where
         # multiprocessing.connection.wait() builds a new selector on every call.
@@ -164,9 +169,10 @@ class ProcessHandle:
         process, conn, stderr = self._process, self._conn, self._stderr
         if process is None or conn is None:
             return
+        requests, self._requests = self._requests, None
         self._process = self._conn = self._stderr = None
         self._reaped = [gone for gone in self._reaped if not gone.is_set()]  # a week of them
-        self._reaped.append(reaper.stop(process, conn, stderr))
+        self._reaped.append(reaper.stop(process, conn, stderr, requests))
 
     def rss_mb(self) -> float | None:
         """Resident memory of the current worker in MiB; None if it cannot be read."""
@@ -207,7 +213,8 @@ class ProcessHandle:
         if process is not None and conn is not None:
             # The fields stay set meanwhile: a thread waiting on this worker sees it go,
             # and raises ClosedEnvironmentError instead of reporting a death.
-            stop_process(process, conn, stderr, timeout_s)
+            requests, self._requests = self._requests, None
+            stop_process(process, conn, stderr, timeout_s, requests)
             self._process = self._conn = self._stderr = None
         self._release()
         for reaped in self._reaped:
@@ -235,6 +242,9 @@ class ProcessHandle:
 
     def _release(self) -> None:
         self._is_attach_sent = False
+        if self._requests is not None:
+            self._requests.close()
+            self._requests = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -294,7 +304,7 @@ class ProcessHandle:
         process = self._process
         if process is None or self._conn is None:
             return None
-        return self._fd, process.sentinel
+        return self._request_fd, process.sentinel
 
     @property
     def spin_s(self) -> float:
@@ -339,7 +349,7 @@ class ProcessHandle:
         """
         if self._seat.shared is None or self._conn is None or self._is_attach_sent:
             return
-        send_attach(self._conn, self._seat.link_payload(self._pid or 0))
+        send_attach(self._request_fd, self._seat.link_payload(self._pid or 0))
         self._is_attach_sent = True
 
     def join_link(self, deadline: float | None) -> Death | None:
@@ -349,12 +359,19 @@ class ProcessHandle:
         assert self._conn is not None
         self._notify_seq = 0
         is_sent, self._is_attach_sent = self._is_attach_sent, False
-        return attach(
+        attached = attach(
             self._conn,
             self._seat.link_payload(self._pid or 0),
             lambda: self._receive(deadline),
             is_sent,
+            self._request_fd,
         )
+        if isinstance(attached, Death):
+            return attached
+        if self._requests is not None:  # a new link: the worker reads the new pipe now
+            self._requests.close()
+        self._requests, self._request_fd = attached, attached.fileno()
+        return None
 
     def set_link(
         self, shared: SharedBatch | None, worker_number: int, env_indices: Sequence[int]
@@ -391,7 +408,7 @@ class ProcessHandle:
 
     def _send(self, message: bytes) -> None:
         try:
-            write_frame(self._fd, message)
+            write_frame(self._request_fd, message)
         except (*PIPE_ERRORS, OSError):
             pass  # the worker is dead; _receive() sees its sentinel
 

@@ -48,16 +48,20 @@ LinkPayload = tuple[Any, int, tuple[int, int, int], int]
 
 @dataclasses.dataclass
 class Launched:
-    """A started worker process, with the parent's ends of its pipes."""
+    """A started worker process, with the parent's ends of its pipes.
+
+    ``requests``: the pipe its requests travel on once attached (``attach``), else None.
+    """
 
     process: BaseProcess
     conn: Connection
     reader: MessageReader
     stderr: StderrPipe
+    requests: Connection | None = None
 
     def kill(self) -> None:
         """Stop a worker no one took over, at once: CLOSE, then kill, then reap."""
-        stop_process(self.process, self.conn, self.stderr, 0.0)
+        stop_process(self.process, self.conn, self.stderr, 0.0, self.requests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,15 +241,21 @@ def _await_ready(launched: Launched, deadline: float, link: LinkPayload | None) 
     ready = receive()
     if isinstance(ready, Death):
         return None
-    if link is not None and ready.failure is None and attach(launched.conn, link, receive):
-        return None
+    if link is not None and ready.failure is None:
+        attached = attach(launched.conn, link, receive)
+        if isinstance(attached, Death):
+            return None
+        launched.requests = attached
     return ready
 
 
-def send_attach(conn: Connection, link: LinkPayload) -> None:
-    """The first half of ``attach``: the command, which the worker acks before the fds come."""
+def send_attach(fd: int, link: LinkPayload) -> None:
+    """The first half of ``attach``: the command, which the worker acks before the fds come.
+
+    ``fd``: where the worker reads its requests (its pipe of requests once attached).
+    """
     try:
-        framing.write_message(conn.fileno(), encode(Request(Command.ATTACH, -1, link[0])))
+        framing.write_message(fd, encode(Request(Command.ATTACH, -1, link[0])))
     except PIPE_ERRORS:
         pass  # the worker is dead; the next receive sees its sentinel
 
@@ -255,25 +265,39 @@ def attach(
     link: LinkPayload,
     receive: Callable[[], Reply | Death],
     is_sent: bool = False,
-) -> Death | None:
+    request_fd: int | None = None,
+) -> Death | Connection:
     """Attach a worker to its vector's shared memory: the command, then the fds, each acked.
 
+    The fds are the memory file, its slice's done pipes, and the read end of a new pipe
+    for its requests: from the last ack on, the worker reads requests there, not on
+    ``conn`` (a pipe's write and read cost two thirds of a socket's, on every step's
+    wake-up), and ``conn`` carries its replies and fds. Returns that pipe's write end.
+
     ``is_sent``: the command was sent already (``send_attach``); wait for its ack.
+    ``request_fd``: where the worker reads requests now; ``conn`` when None.
     """
     _, memory_fd, done_fds, pid = link
     if not is_sent:
-        send_attach(conn, link)
+        send_attach(conn.fileno() if request_fd is None else request_fd, link)
     reply = receive()
     if isinstance(reply, Death):
         return reply
+    request_read, request_write = os.pipe()
     try:
         send_handle(conn, memory_fd, pid)
-        for fd in done_fds:
+        for fd in (*done_fds, request_read):
             send_handle(conn, fd, pid)
     except (*PIPE_ERRORS, OSError):
         pass  # the worker is dead, or a standby's pipe was closed by stop(); receive() tells
+    finally:
+        os.close(request_read)
+    requests = Connection(request_write, readable=False)
     reply = receive()
-    return reply if isinstance(reply, Death) else None
+    if isinstance(reply, Death):
+        requests.close()
+        return reply
+    return requests
 
 
 def poll_ms(deadline: float | None, now: float) -> int | None:

@@ -23,12 +23,20 @@ RETIRE_TIMEOUT_S = 5.0  # a retired worker may take this long to close its envs
 
 
 def stop_process(
-    process: BaseProcess, conn: Connection, stderr: StderrPipe | None, timeout_s: float
+    process: BaseProcess,
+    conn: Connection,
+    stderr: StderrPipe | None,
+    timeout_s: float,
+    requests: Connection | None = None,
 ) -> None:
-    """Ask a worker to close its envs and exit; kill it after ``timeout_s``; reap it."""
+    """Ask a worker to close its envs and exit; kill it after ``timeout_s``; reap it.
+
+    ``requests``: the pipe its requests travel on once it is attached, else ``conn``.
+    """
     try:
         if process.exitcode is None:
-            write_message(conn.fileno(), encode(Request(Command.CLOSE, -1)))
+            target = conn if requests is None else requests
+            write_message(target.fileno(), encode(Request(Command.CLOSE, -1)))
     except (*PIPE_ERRORS, OSError, ValueError):
         pass
     try:
@@ -41,6 +49,8 @@ def stop_process(
             process.join(5.0)
     finally:
         conn.close()
+        if requests is not None:
+            requests.close()
         if stderr is not None and not sys.is_finalizing():
             # Its EOF arrives once the worker's fd 2 is closed, and the relay thread reads
             # it; while the interpreter finalizes, that daemon thread is frozen.
@@ -71,7 +81,11 @@ class Reaper:
         self._lock = threading.Lock()
 
     def stop(
-        self, process: BaseProcess, conn: Connection, stderr: StderrPipe | None
+        self,
+        process: BaseProcess,
+        conn: Connection,
+        stderr: StderrPipe | None,
+        requests: Connection | None = None,
     ) -> threading.Event:
         """Queue a worker to be stopped (CLOSE, then killed after a while); set when gone."""
         gone = threading.Event()
@@ -81,14 +95,14 @@ class Reaper:
                     target=self._run, name="multienv-reaper", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((process, conn, stderr, gone))
+        self._queue.put((process, conn, stderr, requests, gone))
         return gone
 
     def _run(self) -> None:
         while True:
-            process, conn, stderr, gone = self._queue.get()
+            process, conn, stderr, requests, gone = self._queue.get()
             try:
-                stop_process(process, conn, stderr, RETIRE_TIMEOUT_S)
+                stop_process(process, conn, stderr, RETIRE_TIMEOUT_S, requests)
             finally:
                 gone.set()
 
