@@ -6,6 +6,9 @@ Run:
                                          # the parent per step by worker count, beside the
                                          # bare probe's parent (scripts/bare_probe.py)
     python scripts/count_instructions.py --side worker      # one worker's batch of 8 envs
+    python scripts/count_instructions.py --side async --env cartpole --num-envs 64 --workers 2,16
+                                         # the parent per recv(N/2) + send, beside half the
+                                         # probe's step
     python scripts/count_instructions.py --baseline /tmp/old   # the same for another checkout
                                          # (e.g. git worktree add /tmp/old HEAD~1)
     apt-get install valgrind             # needed; the script says so when it is missing
@@ -23,6 +26,10 @@ valgrind). The counters are zeroed after a warm-up and dumped after ``--steps`` 
 steps, so start-up is not counted. Each layout is also counted for the bare probe of the
 same layout (its parent only: its forked workers run under valgrind too, slowly, uncounted),
 and the last line gives each one's instructions per added worker.
+
+``--side async``: the same vector's EnvPool-style loop, ``recv(batch_size=N // 2)`` then
+``send`` of those envs (the parts plane), counted per cycle of N/2 env steps; the probe's
+line is half its synchronous step, the same env steps.
 
 ``--side worker``: one worker's planned steps (``worker.planned_step.PlannedStep``)
 stepping k=8 envs, run in this process on the vector's real shared memory and done pipes,
@@ -50,7 +57,8 @@ import numpy as np
 
 @dataclasses.dataclass
 class Args:
-    side: str = "parent"  # "parent" (per vector step of N=16) or "worker" (per batch of 8)
+    side: str = "parent"  # "parent" (per vector step), "async" (per recv(N/2) + send) or
+    # "worker" (per batch of 8)
     env: str = "zero"  # zero, cartpole or halfcheetah
     layouts: str = "1,8"  # --side parent: the envs_per_worker values to count
     workers: str = ""  # --side parent: worker counts to count instead (k = ceil(N / W))
@@ -114,6 +122,23 @@ def run_parent(env_name: str, k: int, steps: int, num_envs: int = 16) -> None:
     with MultiEnv(fns, envs_per_worker=k) as envs:
         envs.reset(seed=0)
         count_steps(envs.step, [envs.action_space.sample() for _ in range(64)], steps)
+
+
+def run_async(env_name: str, k: int, steps: int, num_envs: int = 16) -> None:
+    from multienv import MultiEnv
+
+    fns = [lambda: make_env(env_name)] * num_envs
+    with MultiEnv(fns, envs_per_worker=k) as envs:
+        envs.reset(seed=0)
+        envs.send(envs.action_space.sample())
+
+        def cycle(actions: np.ndarray) -> None:
+            *_, infos = envs.recv(batch_size=num_envs // 2)
+            ids = infos["env_id"]
+            envs.send(actions[ids], ids)
+
+        count_steps(cycle, [envs.action_space.sample() for _ in range(64)], steps)
+        envs.recv()
 
 
 def run_probe(env_name: str, k: int, steps: int, num_envs: int) -> None:
@@ -249,6 +274,8 @@ def main(args: Args) -> None:
         side, env_name, k = args.child, args.env, int(args.layouts)
         if side == "parent":
             run_parent(env_name, k, args.steps, args.num_envs)
+        elif side == "async":
+            run_async(env_name, k, args.steps, args.num_envs)
         elif side == "probe":
             run_probe(env_name, k, args.steps, args.num_envs)
         else:
@@ -259,15 +286,18 @@ def main(args: Args) -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = [("this", here)] + ([("baseline", args.baseline)] if args.baseline else [])
     n = args.num_envs
-    if args.side != "parent":
+    is_parent = args.side in ("parent", "async")
+    if not is_parent:
         layouts = [8]
     elif args.workers:
         layouts = [-(-n // int(w)) for w in args.workers.split(",")]
     else:
         layouts = [int(k) for k in args.layouts.split(",")]
-    if args.side == "parent":
+    if is_parent:
         trees.append(("probe", here))
-    unit = f"vector step of {n} envs" if args.side == "parent" else "batch of 8 envs"
+    unit = {"parent": f"vector step of {n} envs", "async": f"recv({n // 2}) + send"}.get(
+        args.side, "batch of 8 envs"
+    )
     print(f"{args.side}, env {args.env}: instructions per {unit} ({args.steps} counted)")
     medians: dict[str, list[tuple[int, float]]] = {name: [] for name, _ in trees}
     for k in layouts:
@@ -276,10 +306,11 @@ def main(args: Args) -> None:
             side = "probe" if name == "probe" else args.side
             child = [side, "--env", args.env, "--layouts", str(k), "--steps", str(args.steps)]
             child += ["--num-envs", str(n)]
-            counts[name] = [count(tree, child, args.steps) for _ in range(args.repeats)]
+            per = args.steps * (2 if name == "probe" and args.side == "async" else 1)
+            counts[name] = [count(tree, child, per) for _ in range(args.repeats)]
             medians[name].append((-(-n // k), float(np.median(counts[name]))))
             shown = ", ".join(f"{value:,.0f}" for value in counts[name])
-            workers = f"W={-(-n // k):<3} " if args.side == "parent" else ""
+            workers = f"W={-(-n // k):<3} " if is_parent else ""
             print(f"  {workers}k={k:<3} {name:9s} {shown}", flush=True)
         if args.baseline:
             ratio = np.median(counts["this"]) / np.median(counts["baseline"])

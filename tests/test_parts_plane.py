@@ -43,6 +43,31 @@ def send_warm(envs: MultiEnv, actions: np.ndarray) -> None:
     assert sent_on_parts(envs) == before + 1
 
 
+def check_batch(batch, loops, pending, mode) -> list[int]:
+    """Check each env of a recv'd batch against its own Gymnasium loop stepped with the
+    action it was sent (taken off ``pending``); its env ids."""
+    obs, rewards, terminations, truncations, infos = batch
+    ids = infos["env_id"].tolist()
+    assert ids == sorted(ids)
+    for row, env_index in enumerate(ids):
+        action = pending.pop(env_index)
+        want = loops[env_index].step(np.asarray([action]))
+        row_obs = {k: v[row] for k, v in obs.items()} if isinstance(obs, dict) else obs[row]
+        got = (row_obs, rewards[row], terminations[row], truncations[row])
+        if isinstance(want[0], dict):
+            for key in want[0]:
+                assert np.allclose(got[0][key], want[0][key][0]), (env_index, key)
+        else:
+            assert np.allclose(got[0], want[0][0]), env_index
+        assert got[1:] == (want[1][0], want[2][0], want[3][0]), env_index
+        for key in ("count", "t"):
+            if f"_{key}" in want[4] and want[4][f"_{key}"][0]:
+                assert infos[key][row] == want[4][key][0], (env_index, key)
+        if mode is AutoresetMode.SAME_STEP and want[4].get("_final_obs", [False])[0]:
+            assert infos["_final_obs"][row], env_index
+    return ids
+
+
 def replay(fns, k, mode, rounds, seed, whole_only):
     """Drive send/recv with random batch sizes and subsets; check each env against its own
     Gymnasium loop. Returns the batches sent on the parts plane and the sends."""
@@ -75,26 +100,8 @@ def replay(fns, k, mode, rounds, seed, whole_only):
             size = k * max(1, len(pending) // (2 * k)) if whole_only else None
             if size is None:
                 size = int(rng.integers(1, len(pending) + 1))
-            obs, rewards, terminations, truncations, infos = envs.recv(batch_size=size)
-            ids = infos["env_id"].tolist()
-            assert ids == sorted(ids)
+            ids = check_batch(envs.recv(batch_size=size), loops, pending, mode)
             assert len(ids) == size
-            for row, env_index in enumerate(ids):
-                action = pending.pop(env_index)
-                want = loops[env_index].step(np.asarray([action]))
-                row_obs = {k: v[row] for k, v in obs.items()} if isinstance(obs, dict) else obs[row]
-                got = (row_obs, rewards[row], terminations[row], truncations[row])
-                if isinstance(want[0], dict):
-                    for key in want[0]:
-                        assert np.allclose(got[0][key], want[0][key][0]), (env_index, key)
-                else:
-                    assert np.allclose(got[0], want[0][0]), env_index
-                assert got[1:] == (want[1][0], want[2][0], want[3][0]), env_index
-                for key in ("count", "t"):
-                    if f"_{key}" in want[4] and want[4][f"_{key}"][0]:
-                        assert infos[key][row] == want[4][key][0], (env_index, key)
-                if mode is AutoresetMode.SAME_STEP and want[4].get("_final_obs", [False])[0]:
-                    assert infos["_final_obs"][row], env_index
             idle += ids
         if pending:
             envs.recv()
@@ -118,6 +125,110 @@ def test_any_subset_and_batch_size_mixes_both_planes_and_loses_nothing(mode):
     fns = [CountingEnv] * 6
     carried, sends, _ = replay(fns, 2, mode, 150, seed=2, whole_only=False)
     assert 0 < carried < sends  # whole workers went one way, split ones the other
+
+
+def resent_on_parts(envs: MultiEnv) -> int:
+    """How many of those sent the envs the last recv() returned, the short way."""
+    parts = envs._in_flight.parts
+    assert parts is not None
+    return parts.resent
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fn", [functools.partial(gym.make, "CartPole-v1"), CountingEnv])
+def test_the_envpool_loop_sends_back_what_recv_returned_and_steps_as_gymnasium_does(fn, mode):
+    """recv(batch_size) then send(actions, infos["env_id"]), as EnvPool's users write it:
+    the ids as returned, a copy, or a list; one worker or two per batch."""
+    fns, rng = [fn] * 6, np.random.default_rng(5)
+    loops = [SyncVectorEnv([f], autoreset_mode=mode) for f in fns]
+    for i, loop in enumerate(loops):
+        loop.reset(seed=i)
+    with MultiEnv(fns, envs_per_worker=2, autoreset_mode=mode) as envs:
+        envs.reset(seed=0)
+        space = envs.single_action_space
+        actions = np.stack([space.sample() for _ in fns])
+        envs.send(actions)
+        pending = dict(enumerate(actions))
+        for cycle in range(90):
+            ids = check_batch(envs.recv(batch_size=2 + 2 * (cycle % 2)), loops, pending, mode)
+            actions = np.stack([space.sample() for _ in ids])
+            sent = [np.asarray(ids), np.array(ids, dtype=np.int64), ids][cycle % 3]
+            envs.send(actions, sent)
+            pending.update(zip(ids, actions, strict=True))
+        check_batch(envs.recv(), loops, pending, mode)
+        assert not pending
+        # The arrays went the short way but for the first sends, whose infos bring new
+        # keys; the lists went the long way.
+        assert 60 - 4 <= resent_on_parts(envs) <= 60
+        if fn is CountingEnv:  # five steps an episode; next-step resets are not steps
+            for index, stats in enumerate(envs.stats()):
+                assert stats["steps"] > 10
+                assert stats["episodes"] == stats["steps"] // 5, index
+    for loop in loops:
+        loop.close()
+
+
+def test_the_envpool_loop_takes_the_long_way_for_other_envs_or_a_changed_id_array():
+    with MultiEnv([CountingEnv] * 6, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(6, dtype=np.int64)
+        send_warm(envs, ones)  # every env at count 3 when collected
+        resent = resent_on_parts(envs)
+        first = envs.recv(batch_size=2)[4]["env_id"]
+        second = envs.recv(batch_size=2)[4]["env_id"]  # the first batch is no longer last
+        envs.send(ones[:2], first)
+        assert resent_on_parts(envs) == resent
+        third = 2 * ({0, 1, 2} - {int(first[0]) // 2, int(second[0]) // 2}).pop()
+        second[:] = [third, third + 1]  # changed in place after recv: envs still in flight
+        with pytest.raises(EnvStateError, match=f"env {third}: already in flight"):
+            envs.send(ones[:2], second)
+        obs, _, _, _, infos = envs.recv()
+        assert infos["env_id"].tolist() == sorted([*first.tolist(), third, third + 1])
+        counts = dict(zip(infos["env_id"].tolist(), obs[:, 0].tolist(), strict=True))
+        assert [counts[i] for i in first.tolist()] == [4.0, 4.0]
+        assert [counts[i] for i in (third, third + 1)] == [3.0, 3.0]
+        assert resent_on_parts(envs) == resent
+
+
+def test_a_worker_killed_between_recv_and_its_send_back_comes_back_truncated():
+    with MultiEnv([CountingEnv] * 4, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        send_warm(envs, ones)
+        ids = envs.recv(batch_size=2)[4]["env_id"]
+        os.kill(envs.envs[int(ids[0])].pid, signal.SIGKILL)
+        resent = resent_on_parts(envs)
+        envs.send(ones[:2], ids)  # wakes the dead worker: its sentinel ends the wait
+        assert resent_on_parts(envs) == resent + 1
+        obs, rewards, _, truncations, infos = envs.recv(timeout=30)
+        assert infos["env_id"].tolist() == [0, 1, 2, 3]
+        killed = np.isin(np.arange(4), ids)
+        assert truncations.tolist() == killed.tolist()
+        assert infos["multienv"]["cause"][killed].tolist() == ["SIGKILL", "SIGKILL"]
+        assert rewards.tolist() == (~killed).astype(float).tolist()
+        assert obs[~killed, 0].tolist() == [3.0, 3.0]
+
+
+def test_disabled_autoreset_refuses_an_ended_env_sent_back_by_the_envpool_loop():
+    with MultiEnv(
+        [CountingEnv] * 4, envs_per_worker=2, autoreset_mode=AutoresetMode.DISABLED
+    ) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        envs.send(ones)
+        for _ in range(9):  # CountingEnv's episodes end at count 5
+            *_, terminations, _, infos = envs.recv(batch_size=2)
+            ids = infos["env_id"]
+            if terminations.any():
+                break
+            envs.send(ones[:2], ids)
+        assert terminations.all()
+        with pytest.raises(EnvStateError, match=f"env {ids[0]}"):
+            envs.send(ones[:2], ids)
+        envs.recv()  # the other worker, then nothing in flight
+        envs.reset()
+        envs.send(ones)
+        assert envs.recv()[0][:, 0].tolist() == [1.0, 1.0, 1.0, 1.0]
 
 
 def test_nested_observations_go_on_the_parts_plane():
