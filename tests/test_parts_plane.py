@@ -139,13 +139,14 @@ def resent_on_parts(envs: MultiEnv) -> int:
 def test_the_envpool_loop_sends_back_what_recv_returned_and_steps_as_gymnasium_does(fn, mode):
     """recv(batch_size) then send(actions, infos["env_id"]), as EnvPool's users write it:
     the ids as returned, a copy, or a list; one worker or two per batch."""
-    fns, rng = [fn] * 6, np.random.default_rng(5)
+    fns = [fn] * 6
     loops = [SyncVectorEnv([f], autoreset_mode=mode) for f in fns]
     for i, loop in enumerate(loops):
         loop.reset(seed=i)
     with MultiEnv(fns, envs_per_worker=2, autoreset_mode=mode) as envs:
         envs.reset(seed=0)
         space = envs.single_action_space
+        space.seed(5)
         actions = np.stack([space.sample() for _ in fns])
         envs.send(actions)
         pending = dict(enumerate(actions))
