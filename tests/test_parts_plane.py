@@ -1,4 +1,5 @@
-"""The parts plane: send()/recv() of whole workers in one pass, and what it hands over."""
+"""The parts plane: send()/recv() of whole workers in one pass, and what it hands over
+(``parts_plane`` and ``parts_hand_over``)."""
 
 import functools
 import os

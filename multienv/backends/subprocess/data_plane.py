@@ -287,11 +287,6 @@ class DataPlane:
         return True
 
     @property
-    def changes(self) -> list[int]:
-        """The workers' change counter, one item (``WorkerSupervisor.changes``)."""
-        return self._changes
-
-    @property
     def wake_fds(self) -> list[int]:
         """Each worker's pipe, which one byte wakes (valid after a check)."""
         return self._wake_fds

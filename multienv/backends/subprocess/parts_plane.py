@@ -24,7 +24,8 @@ checks then say what is wrong); ``recv`` hands every worker in flight over when 
 dies, passes its deadline, answers with a message (an env error, an info with a new key,
 a same-step reset's final observation) or would have to be split. Each supervisor then
 takes its worker's part as a planned step (``WorkerSupervisor.take_planned``), and the
-vector's ``InFlight`` collects it like any batch it sent.
+vector's ``InFlight`` collects it like any batch it sent. That half of the class is
+``parts_hand_over``.
 """
 
 from __future__ import annotations
@@ -37,18 +38,18 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from multienv.backends.subprocess.data_plane import worker_budgets
+from multienv.backends.subprocess.parts_hand_over import Handed, PartsHandOver
 from multienv.errors import WaitTimeoutError
 from multienv.wire.framing import (
     DONE_OK,
     DONE_RECORD,
-    DONE_REPLY,
     IS_AUTORESET,
     IS_INFO_COLUMNS,
     IS_NEXT_STEP,
     IS_SLOT_1,
     PLANNED_FRAMES,
 )
-from multienv.wire.protocol import BatchResult, Outcome, StepPlan
+from multienv.wire.protocol import Outcome
 
 if TYPE_CHECKING:
     from multienv.backends.subprocess.data_plane import DataPlane
@@ -58,13 +59,9 @@ if TYPE_CHECKING:
 _RECORDS_BYTES = 4 * 16384  # whole records: a record is written atomically
 _NO_IDS = b"\xff"  # no batch returned that a send could repeat (no ids' bytes are one byte)
 _WAKE = PLANNED_FRAMES[False]
-# A worker's outcome as its supervisor's ``finish`` gives it, errors by env index.
-Collected = tuple[BatchResult | None, dict[int, BaseException]]
-# What the control plane gets of each worker here: its part in flight, or its outcome.
-Handed = StepPlan | Collected
 
 
-class PartsPlane:
+class PartsPlane(PartsHandOver):
     """``send``/``recv`` of whole workers of a vector with a data plane.
 
     Args:
@@ -101,7 +98,7 @@ class PartsPlane:
         self._seqs = shared.done.seqs[:num_workers]  # each worker's seq, as the workers read
         self._env_ranges = [np.arange(part.start, part.stop) for part in self._env_slices]
         self._size_list = self._sizes.tolist()
-        self._changes = plane.changes
+        self._changes = self._supervisors[0].changes  # one counter, which the plane shares
         mode = vector.autoreset.mode
         self._is_next_step = mode is AutoresetMode.NEXT_STEP
         self._is_disabled = mode is AutoresetMode.DISABLED
@@ -331,7 +328,7 @@ class PartsPlane:
         """Give every worker here to its supervisor, as a planned step's part; by worker."""
         return self._hand_over_all()
 
-    # ----------------------------------------------------------------- off the healthy path
+    # ----------------------------------------------------------------- the usual cycle's parts
 
     def _take(self, numbers: list[int]) -> StepBatch:
         """Return the steps of these done workers (taken off ``_order``), in env order."""
@@ -393,60 +390,21 @@ class PartsPlane:
             self._plane.thank_workers()
         return observations, rewards, flags[0], flags[1], infos
 
+    def _forget_workers(self) -> None:
+        """No worker is in flight or done here any more (they were handed over)."""
+        self._flying[:] = False
+        self._done[:] = False
+        self._counted[:] = False
+        self._order.clear()
+        self._busy_envs = self._done_envs = 0
+        self._returned = _NO_IDS
+
     def _note_done(self, number: int) -> None:
         """The worker's record says all its results are in shared memory."""
         self._flying_mv[number] = False
         self._done_mv[number] = True
         self._order.append(number)
         self._done_envs += self._size_list[number]
-
-    def _collect_reply(self, number: int) -> dict[int, Collected] | None:
-        """Have the worker's supervisor read its message; None if the worker stays here.
-
-        It stays, done, when its message holds only infos (new keys, pickled ones, a
-        same-step reset's final observation): they wait for ``_take`` in ``_extras``, and
-        its supervisor has counted its steps. An env's error, a death after the record (the
-        supervisor respawns and replays it) or anything else: its outcome, collected.
-        """
-        supervisor, env_slice = self._supervisors[number], self._env_slices[number]
-        restarts = supervisor.stats.restarts
-        self._take_planned(number, self._plan())
-        seq = int(self._seqs[number])
-        self._shared.done.note_records(DONE_RECORD.pack(number, seq, DONE_REPLY))
-        env_ids = range(env_slice.start, env_slice.stop)
-        try:
-            result, errors = supervisor.finish()
-        except Exception as exc:  # noqa: BLE001 - raised by the caller, as the pool's are
-            lost: dict[int, BaseException] = dict.fromkeys(env_ids, exc)
-            return {number: (None, lost)}
-        by_env: dict[int, BaseException] = {env_slice.start + i: e for i, e in errors.items()}
-        outcome = (result, by_env)
-        if errors or result is None or supervisor.stats.restarts != restarts:
-            return {number: outcome}
-        for item, extra in result.extras.items():
-            is_done = bool(result.terminated[item] or result.truncated[item])
-            if self._autoreset.step_info(extra, is_done)[1]:  # must reset now: a crash's
-                return {number: outcome}
-        self._extras.update(
-            {env_slice.start + item: extra for item, extra in result.extras.items()}
-        )
-        self._counted[number] = True
-        self._note_done(number)
-        return None
-
-    def _drained_by_control_plane(self) -> list[int]:
-        """Workers whose records a supervisor's wait read: mark the done ones; the replies."""
-        done = self._shared.done
-        replies = []
-        seqs = self._seqs.tolist()
-        for number in np.flatnonzero(self._flying).tolist():
-            if done.done_seq[number] == seqs[number]:
-                done.done_seq[number] = 0
-                if done.done_kind[number] == DONE_OK:
-                    self._note_done(number)
-                else:
-                    replies.append(number)
-        return replies
 
     def _deadline_after(self, sent_at: float, workers: np.ndarray, timeouts: np.ndarray) -> Any:
         """When each sent worker is late: its envs' step and reset timeouts (inf: never)."""
@@ -456,82 +414,6 @@ class PartsPlane:
     def _is_late(self) -> bool:
         flying = self._flying
         return bool(flying.any()) and float(self._deadlines[flying].min()) <= time.perf_counter()
-
-    def _plan(self) -> StepPlan:
-        """The planned step whose parts the workers here are stepping, for their supervisors."""
-        is_reset = self._resets.copy() if self._is_next_step else np.zeros_like(self._resets)
-        return StepPlan(
-            self._actions.copy(),
-            is_reset,
-            self._is_same_step,
-            self._targets.copy(),
-            int(np.count_nonzero(is_reset)),
-        )
-
-    def _take_planned(self, number: int, plan: StepPlan) -> None:
-        """The worker's supervisor and handle take its part of ``plan``, as sent."""
-        supervisor, env_slice = self._supervisors[number], self._env_slices[number]
-        deadline = supervisor.take_planned(plan, env_slice, float(self._sent_at[number]))
-        handle = supervisor.handle
-        handle.take_planned(plan, env_slice, deadline)  # type: ignore[attr-defined]
-
-    def _hand_over_all(self, collected: dict[int, Collected] | None = None) -> dict[int, Handed]:
-        """Give every worker here to the control plane: each supervisor takes its part.
-
-        ``collected``: a worker whose outcome its supervisor has collected already. The done
-        workers' records are written anew, so that their supervisors find them answered.
-        """
-        handed: dict[int, Handed] = dict(collected or {})
-        for number in handed:
-            self._flying[number] = self._done[number] = False
-        numbers = np.flatnonzero(self._flying | self._done).tolist()
-        seqs = self._seqs.tolist()
-        answered = b"".join(
-            DONE_RECORD.pack(number, seqs[number], DONE_OK)
-            for number in np.flatnonzero(self._done).tolist()
-        )
-        counted = [number for number in numbers if self._counted[number]]
-        self._flying[:] = False
-        self._done[:] = False
-        self._counted[:] = False
-        self._order.clear()
-        self._busy_envs = self._done_envs = 0
-        self._returned = _NO_IDS
-        done = self._shared.done
-        done.forget_records()
-        if numbers:
-            plan = self._plan()
-            for number in numbers:
-                self._take_planned(number, plan)
-                handed[number] = plan
-        done.note_records(answered)
-        # A worker whose message its supervisor read is collected: its outcome is the
-        # shared memory and the infos kept here (counted already, by its supervisor).
-        for number in counted:
-            handed[number] = self._kept_outcome(number)
-        return handed
-
-    def _kept_outcome(self, number: int) -> Collected:
-        """A done worker whose message was read: its result, as ``collect`` would give it."""
-        supervisor = self._supervisors[number]
-        env_slice = self._env_slices[number]
-        supervisor.finish()  # the DONE_OK record written anew: it returns at once
-        shared = self._shared
-        shared.move_to(env_slice, self._targets[env_slice])
-        flags = shared.flags
-        result = BatchResult(
-            shared.rewards[env_slice].copy(),
-            flags[0, env_slice].copy(),
-            flags[1, env_slice].copy(),
-            None,
-            {},
-            info_columns=True,
-        )
-        for env_index in range(env_slice.start, env_slice.stop):
-            extra = self._extras.pop(env_index, None)
-            if extra is not None:  # as the worker said it: the vector makes it an info once
-                result.extras[env_index - env_slice.start] = extra
-        return result, {}
 
 
 def _rows(infos: dict[str, Any], ids: np.ndarray) -> dict[str, Any]:
