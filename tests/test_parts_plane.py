@@ -211,6 +211,33 @@ def test_a_worker_killed_between_recv_and_its_send_back_comes_back_truncated():
         assert obs[~killed, 0].tolist() == [3.0, 3.0]
 
 
+def test_a_worker_hung_after_the_envpool_loops_send_back_is_killed_at_its_deadline():
+    fns = [CountingEnv] * 2 + [functools.partial(HangOnStep, at_count=5)] * 2
+    with MultiEnv(fns, envs_per_worker=2, step_timeout=0.5) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        send_warm(envs, ones)  # every env at count 3 when collected
+        time.sleep(1.5)  # past the deadlines of that send: a short send must set its own
+        resent = resent_on_parts(envs)
+        started = time.monotonic()
+        # The hung worker's step to count 5 is sent back the short way; the healthy worker
+        # goes round meanwhile.
+        while time.monotonic() - started < 20:
+            _, rewards, _, truncations, infos = envs.recv(batch_size=2, timeout=30)
+            ids = infos["env_id"].tolist()
+            if truncations.any():
+                break
+            envs.send(ones[:2], infos["env_id"])
+        assert ids == [2, 3]
+        assert truncations.tolist() == [True, True]
+        assert infos["multienv"]["cause"].tolist() == ["timeout", "timeout"]
+        assert rewards.tolist() == [0.0, 0.0]
+        # The healthy worker went round the short way while the other hung: no early
+        # hand-over, as a deadline left from an earlier send would make.
+        assert resent_on_parts(envs) - resent >= 10
+        assert time.monotonic() - started < 20
+
+
 def test_disabled_autoreset_refuses_an_ended_env_sent_back_by_the_envpool_loop():
     with MultiEnv(
         [CountingEnv] * 4, envs_per_worker=2, autoreset_mode=AutoresetMode.DISABLED
