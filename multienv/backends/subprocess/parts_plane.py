@@ -207,15 +207,7 @@ class PartsPlane(PartsHandOver):
         self._targets[ids] = targets
         if self._is_next_step:  # the worker resets an env whose last step ended
             self._resets[ids] = needs_reset[ids]
-        self._seqs[workers] = self._seqs[workers] % 255 + 1
-        now = time.perf_counter()
-        self._sent_at[workers] = now
-        timeouts = self._plane.timeouts
-        if timeouts is not None:
-            self._deadlines[workers] = self._deadline_after(now, workers, timeouts)
-        self._flying |= workers
-        self._busy_envs += len(ids)
-        self._wake(np.flatnonzero(workers).tolist())
+        self._start(np.flatnonzero(workers).tolist(), len(ids))
         return True
 
     def _send_returned(self, actions: np.ndarray) -> bool:
@@ -231,6 +223,12 @@ class PartsPlane(PartsHandOver):
         self._targets[ids] = targets
         if resets is not None:
             self._resets[ids] = resets
+        self.resent += 1
+        self._start(numbers, len(ids))
+        return True
+
+    def _start(self, numbers: list[int], num_envs: int) -> None:
+        """These workers' envs are written: number their step, note when, wake each."""
         now = time.perf_counter()
         seqs, flying, sent_at = self._seqs_mv, self._flying_mv, self._sent_mv
         for number in numbers:
@@ -242,13 +240,7 @@ class PartsPlane(PartsHandOver):
             workers = np.zeros(len(self._flying), dtype=np.bool_)
             workers[numbers] = True
             self._deadlines[workers] = self._deadline_after(now, workers, timeouts)
-        self._busy_envs += len(ids)
-        self.resent += 1
-        self._wake(numbers)
-        return True
-
-    def _wake(self, numbers: list[int]) -> None:
-        """Wake these workers, sent: one byte each."""
+        self._busy_envs += num_envs
         self.sent += 1
         wake_fds = self._plane.wake_fds
         woken = 0
