@@ -9,6 +9,9 @@ Run:
                                          # and False too (default: pinned when a CPU each)
     python scripts/bench.py --baseline /tmp/old --only-multienv   # A/B against another
                                          # checkout (e.g. git worktree add /tmp/old HEAD~1)
+    python scripts/bench.py --rows "multienv async,multienv k=8" --cells cheap:16
+                                         # only rows named so (and their probes, the loop
+                                         # and AsyncVectorEnv, which every ratio needs)
     pip install -e ".[bench]"            # adds SB3 to the comparison (install torch's CPU
                                          # build first on a machine without a GPU)
 
@@ -84,6 +87,7 @@ class Args:
     only_multienv: bool = False  # only multienv at k=1 and k=N/cores, loop and AsyncVectorEnv
     memory: bool = False  # only memory: PSS of every implementation, for --cells
     pinned: bool = False  # also multienv at k=1 and k=N/cores with pin_cpu True and False
+    rows: str = ""  # only rows whose names start so (comma-separated): throughput only
 
 
 # ----------------------------------------------------------------- workloads
@@ -487,6 +491,11 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
             kept.update((f"multienv k={k} spin", f"multienv k={k} views spin"))
         kept.update(probe_layouts(n))
         names = [name for name in names if name in kept]
+    if args.rows:  # with the probes they are read against, and the references every ratio needs
+        starts = tuple(start.strip() for start in args.rows.split(","))
+        kept = {name for name in names if name.startswith(starts)}
+        kept.update((*REFERENCES, *(probe_of(name, n) for name in kept)))
+        names = [name for name in names if name in kept]
     if args.pinned:
         names += [
             f"multienv k={k} {variant}"
@@ -817,7 +826,8 @@ def in_fresh_process(args: Args, child: str) -> Any:
         child = child.removesuffix(" @baseline")
         # Run from there too: a forkserver's workers find modules in its working directory.
         cwd = os.path.abspath(args.baseline)
-        env = dict(os.environ, PYTHONPATH=cwd)
+        paths = (cwd, os.environ.get("PYTHONPATH", ""))  # the others after it (the wheels')
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in paths if path))
     script = os.path.abspath(__file__)
     command = [sys.executable, script, "--child", child, "--kills", str(args.kills)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
@@ -880,7 +890,7 @@ def main(args: Args) -> int:
         rows = measure_throughput(args, workload, int(n))
         results["throughput"][f"{workload}/N={n}"] = rows
         print_table(workload, int(n), rows)
-    if args.only_multienv:
+    if args.only_multienv or args.rows:  # throughput only
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=1)
         return 0
