@@ -4,6 +4,7 @@
 import functools
 import os
 import signal
+import threading
 import time
 
 import gymnasium as gym
@@ -135,16 +136,17 @@ def resent_on_parts(envs: MultiEnv) -> int:
     return parts.resent
 
 
+@pytest.mark.parametrize("k", [2, 1])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fn", [functools.partial(gym.make, "CartPole-v1"), CountingEnv])
-def test_the_envpool_loop_sends_back_what_recv_returned_and_steps_as_gymnasium_does(fn, mode):
+def test_the_envpool_loop_sends_back_what_recv_returned_and_steps_as_gymnasium_does(fn, mode, k):
     """recv(batch_size) then send(actions, infos["env_id"]), as EnvPool's users write it:
-    the ids as returned, a copy, or a list; one worker or two per batch."""
+    the ids as returned, a copy, or a list; one to four workers per batch."""
     fns = [fn] * 6
     loops = [SyncVectorEnv([f], autoreset_mode=mode) for f in fns]
     for i, loop in enumerate(loops):
         loop.reset(seed=i)
-    with MultiEnv(fns, envs_per_worker=2, autoreset_mode=mode) as envs:
+    with MultiEnv(fns, envs_per_worker=k, autoreset_mode=mode) as envs:
         envs.reset(seed=0)
         space = envs.single_action_space
         space.seed(5)
@@ -419,3 +421,53 @@ def test_a_worker_killed_between_its_record_and_its_reply_on_the_parts_plane(tmp
         envs.send(ones)  # everything was collected: the next send takes the parts plane
         assert sent_on_parts(envs) == before + 1
         assert envs.recv()[0][:, 0].tolist() == [4.0, 0.0]  # next-step: env 1 resets
+
+
+# ------------------------------------------------ a recv that waits for several workers
+
+
+def test_workers_done_while_recv_waits_are_collected_when_another_dies():
+    # Workers 0-2 finish while the parent waits for all four; worker 3 hangs and is
+    # killed. The three steps come back as they ended, the killed one truncated.
+    fns = [functools.partial(SleepyEnv, step_s=0.1)] * 3 + [
+        functools.partial(HangOnStep, at_count=4)
+    ]
+    with MultiEnv(fns) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        send_warm(envs, ones)
+        envs.recv()
+        envs.send(ones)  # the fourth step: worker 3 hangs in it
+        killer = threading.Timer(0.6, os.kill, (envs.envs[3].pid, signal.SIGKILL))
+        killer.start()
+        try:
+            obs, rewards, _, truncations, infos = envs.recv(timeout=30)
+        finally:
+            killer.join()
+        assert infos["env_id"].tolist() == [0, 1, 2, 3]
+        assert truncations.tolist() == [False, False, False, True]
+        assert infos["multienv"]["cause"][3] == "SIGKILL"
+        assert rewards.tolist() == [1.0, 1.0, 1.0, 0.0]
+        assert obs[:3, 0].tolist() == [4.0, 4.0, 4.0]
+        envs.send(ones)  # healthy again: on the parts plane
+        assert envs.recv(timeout=30)[0][:, 0].tolist() == [5.0, 5.0, 5.0, 0.0]  # reset
+
+
+def test_workers_done_while_recv_waits_are_collected_when_another_is_late():
+    fns = [functools.partial(SleepyEnv, step_s=0.1)] * 3 + [
+        functools.partial(HangOnStep, at_count=4)
+    ]
+    with MultiEnv(fns, step_timeout=0.5) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        send_warm(envs, ones)
+        envs.recv()
+        envs.send(ones)
+        started = time.monotonic()
+        obs, rewards, _, truncations, infos = envs.recv(timeout=30)
+        assert time.monotonic() - started < 10
+        assert truncations.tolist() == [False, False, False, True]
+        assert infos["multienv"]["cause"][3] == "timeout"
+        assert rewards.tolist() == [1.0, 1.0, 1.0, 0.0]
+        assert obs[:3, 0].tolist() == [4.0, 4.0, 4.0]
+        assert [stats["restarts"] for stats in envs.stats()] == [0, 0, 0, 1]
