@@ -471,3 +471,38 @@ def test_workers_done_while_recv_waits_are_collected_when_another_is_late():
         assert rewards.tolist() == [1.0, 1.0, 1.0, 0.0]
         assert obs[:3, 0].tolist() == [4.0, 4.0, 4.0]
         assert [stats["restarts"] for stats in envs.stats()] == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("cycles", [10, 100])  # fewer than the batches held back, and more
+@pytest.mark.parametrize("mode", MODES)
+def test_stats_count_every_step_the_envpool_loop_returned(mode, cycles):
+    with MultiEnv([CountingEnv] * 4, autoreset_mode=mode) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        steps, episodes, ended = [0] * 4, [0] * 4, [False] * 4
+        envs.send(ones)
+
+        def count(batch) -> np.ndarray:
+            *_, terminations, truncations, infos = batch
+            for env_index, end in zip(
+                infos["env_id"].tolist(), (terminations | truncations).tolist(), strict=True
+            ):
+                # under next-step autoreset, the step after an end is the env's reset
+                steps[env_index] += not (ended[env_index] and mode is AutoresetMode.NEXT_STEP)
+                episodes[env_index] += end
+                ended[env_index] = end
+            return infos["env_id"]
+
+        for _ in range(cycles):
+            ids = count(envs.recv(batch_size=2))
+            envs.send(ones[:2], ids)
+        # Every step returned is counted; one in flight may be too, if a recv read its
+        # worker's reply (a same-step reset's final observation) and kept it for later.
+        for env_index, stats in enumerate(envs.stats()):
+            assert 0 <= stats["steps"] - steps[env_index] <= 1, env_index
+            assert 0 <= stats["episodes"] - episodes[env_index] <= 1, env_index
+        count(envs.recv())
+        assert resent_on_parts(envs) >= cycles - 3
+        assert [(s["steps"], s["episodes"]) for s in envs.stats()] == list(
+            zip(steps, episodes, strict=True)
+        )

@@ -308,6 +308,9 @@ class PartsPlane(Protocol):
     def receive(self, size: int, timeout: float | None) -> StepBatch | dict[int, Any]:
         """The first ``size`` envs to finish, ascending; or every worker, handed over."""
 
+    def flush_counts(self) -> None:
+        """Count the steps and episodes of the batches returned since the last flush."""
+
     def hand_over(self) -> dict[int, Any]:
         """Give every worker here to its supervisor; by worker, what the control plane gets.
 

@@ -396,6 +396,8 @@ class DataPlane:
         those that follow a step that ended its episode. So the steps of the window are its
         length, less the ends of its steps but the last, plus the resets due at its start.
         """
+        if self.parts is not None:
+            self.parts.flush_counts()
         held = self._steps_held
         if not held:
             return
