@@ -109,7 +109,7 @@ class PartsHandOver:
             self._actions.copy(),
             is_reset,
             self._is_same_step,
-            self._targets.copy(),
+            self._targets.astype(np.int8),  # as the shared slots
             int(np.count_nonzero(is_reset)),
         )
 

@@ -74,12 +74,12 @@ class PartsPlane(PartsHandOver):
     # Slots, not a __dict__: past 30 attributes CPython looks every ``self.x`` up the slow
     # way (as ``DataPlane``'s, ``tests/test_multi_env.py``).
     __slots__ = tuple(
-        "_action_dtype _action_shape _actions _add_info _autoreset _busy_envs _changes _counted "
-        "_counters _deadlines _done _done_envs _done_mv _done_read _env_ranges _env_slices "
-        "_extras _flag_of_slot _flying _flying_mv _held _id_bytes _is_disabled _is_next_step "
-        "_is_same_step _next _obs_slots _order _plan_flags _plane _resets _returned _sent_at "
-        "_sent_mv _seqs _seqs_mv _shared _size_list _sizes _starts _supervisors _targets "
-        "_worker_of resent sent".split()
+        "_action_dtype _action_shape _actions _add_info _autoreset _busy_envs _changes "
+        "_counted _counters _deadlines _done _done_envs _done_mv _done_read _env_ranges "
+        "_env_slices _extras _flag_of_slot _flags _flying _flying_mv _held _id_bytes "
+        "_is_disabled _is_next_step _is_same_step _needs_reset _next _obs_slots _order "
+        "_plan_flags _plane _resets _returned _rewards _sent_at _sent_mv _seqs _seqs_mv "
+        "_shared _size_list _sizes _starts _supervisors _targets _worker_of resent sent".split()
     )
 
     def __init__(self, plane: DataPlane, shared: SharedBatch, vector: VectorParts) -> None:
@@ -116,6 +116,9 @@ class PartsPlane(PartsHandOver):
         self._action_dtype = shared.actions.dtype
         self._plan_flags = shared.plan_flags
         self._obs_slots = shared.obs_slots
+        self._rewards = shared.rewards
+        self._flags = shared.flags  # (2, num_envs): terminated, truncated
+        self._needs_reset = vector.autoreset.needs_reset_array
         # By worker: stepping (sent, no record read), done (its record read, not returned),
         # when each was sent, its deadline, and the order the done ones finished in.
         self._flying = np.zeros(num_workers, dtype=np.bool_)
@@ -130,7 +133,7 @@ class PartsPlane(PartsHandOver):
         self._busy_envs = self._done_envs = 0  # envs of the flying and done workers; done
         # By env, for the step in flight: its observation's slot, and whether it resets
         # (only under next-step autoreset; else never set).
-        self._targets = np.zeros(num_envs, dtype=np.int8)
+        self._targets = np.zeros(num_envs, dtype=np.intp)  # (an index: no cast to one)
         self._resets = np.zeros(num_envs, dtype=np.bool_)
         # Done workers whose messages their supervisors read (and counted), and what the
         # messages said beyond the shared arrays, by env (made infos when returned).
@@ -299,12 +302,16 @@ class PartsPlane(PartsHandOver):
             if len(events) != 1 or events[0][0] != self._done_read:
                 return self._hand_over_all()  # a worker died
             flying, seqs, replies = self._flying_mv, self._seqs_mv, []
+            done, order, sizes = self._done_mv, self._order, self._size_list
             for number, seq, kind in DONE_RECORD.iter_unpack(
                 os.read(self._done_read, _RECORDS_BYTES)
             ):
                 if flying[number] and seq == seqs[number]:
-                    if kind == DONE_OK:
-                        self._note_done(number)
+                    if kind == DONE_OK:  # ``_note_done``, inline: a call costs as much
+                        flying[number] = False
+                        done[number] = True
+                        order.append(number)
+                        self._done_envs += sizes[number]
                     else:
                         replies.append(number)
             while replies:  # answered with a message too: its supervisor reads it, in order
@@ -343,11 +350,12 @@ class PartsPlane(PartsHandOver):
         shared = self._shared
         targets = self._targets[ids]
         shared.move_to(ids, targets)
-        rewards = shared.rewards[ids]
-        flags = shared.flags.take(ids, axis=1)  # a quarter of ``[:, ids]``'s cost
-        ended = flags[0] | flags[1]
+        rewards = self._rewards[ids]
+        # (a quarter of ``[:, ids]``'s cost)
+        terminated, truncated = self._flags.take(ids, axis=1)
+        ended = terminated | truncated
         if self._is_next_step or self._is_disabled:
-            self._autoreset.needs_reset_array[ids] = ended
+            self._needs_reset[ids] = ended
         next_targets = 1 - targets
         self._next = (
             self._changes[0],
@@ -385,12 +393,14 @@ class PartsPlane(PartsHandOver):
         infos = _rows(shared.infos.merge(pickled, ids, self._add_info), ids)
         infos["env_id"] = ids.copy()
         latencies, now, sent_at = self._counters.latencies, time.perf_counter(), self._sent_mv
+        values, count, window = latencies.values, latencies.count, latencies.size
         for number in numbers:
-            latencies.values[latencies.count % latencies.size] = now - sent_at[number]
-            latencies.count += 1
+            values[count % window] = now - sent_at[number]
+            count += 1
+        latencies.count = count
         if self._plane.is_unthanked():
             self._plane.thank_workers()
-        return observations, rewards, flags[0], flags[1], infos
+        return observations, rewards, terminated, truncated, infos
 
     def flush_counts(self) -> None:
         """Count the steps and episodes of the batches returned since the last flush.
