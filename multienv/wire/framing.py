@@ -194,8 +194,7 @@ class MessageReader:
 
     def __init__(self, fd: int, spin_s: float = 0.0) -> None:
         """Start with nothing buffered."""
-        self.fd = fd
-        self._fd = fd
+        self.fd = fd  # (read by the worker, which closes a link's pipe)
         self._buffer = b""
         self._spin_s = spin_s
         self._poll = hot_poll(fd, spin_s)
@@ -227,7 +226,7 @@ class MessageReader:
     def _read_some(self, size: int) -> bytes:
         if self._poll is not None:  # hot: keep the core awake for the next request
             poll_hot(self._poll, self._spin_s)
-        chunk = os.read(self._fd, size)
+        chunk = os.read(self.fd, size)
         if not chunk:
             raise EOFError("the other end of the pipe closed")
         return chunk
