@@ -187,6 +187,19 @@ class VectorCounters:
         self.steps[index] += stepped
         self.episodes[index] += stepped & done
 
+    def note_batches(self, ids: np.ndarray, is_reset: np.ndarray | None, done: np.ndarray) -> None:
+        """Count several planned batches that came back clean, at once.
+
+        ``ids``: their envs, an env as often as it came; ``is_reset``: whether each reset
+        instead of stepping (None: none did); ``done``: whether each ended.
+        """
+        if is_reset is not None:
+            stepped = ~is_reset
+            ids, done = ids[stepped], done[stepped]
+        size = len(self.steps)
+        self.steps += np.bincount(ids, minlength=size)
+        self.episodes += np.bincount(ids[done], minlength=size)
+
     def note_steps(self, done: np.ndarray) -> None:
         """Count a planned step in which every env stepped and came back clean."""
         self.steps += 1

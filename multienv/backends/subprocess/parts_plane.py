@@ -403,23 +403,17 @@ class PartsPlane(PartsHandOver):
         return observations, rewards, terminated, truncated, infos
 
     def flush_counts(self) -> None:
-        """Count the steps and episodes of the batches returned since the last flush.
-
-        An env steps in each batch but those in which it resets (next-step autoreset).
-        """
+        """Count the steps and episodes of the batches returned since the last flush."""
         held = self._held
         if not held:
             return
         self._held = []
-        ids = np.concatenate([batch[0] for batch in held])
-        ended = np.concatenate([batch[2] for batch in held])
-        size = len(self._worker_of)
-        if self._is_next_step:
-            stepped = ~np.concatenate([batch[1] for batch in held])
-            ids, ended = ids[stepped], ended[stepped]
-        counters = self._counters
-        counters.steps += np.bincount(ids, minlength=size)
-        counters.episodes += np.bincount(ids[ended], minlength=size)
+        resets = np.concatenate([batch[1] for batch in held]) if self._is_next_step else None
+        self._counters.note_batches(
+            np.concatenate([batch[0] for batch in held]),
+            resets,
+            np.concatenate([batch[2] for batch in held]),
+        )
 
     def _forget_workers(self) -> None:
         """No worker is in flight or done here any more (they were handed over)."""
