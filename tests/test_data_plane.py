@@ -21,6 +21,7 @@ from multienv.supervision.supervisor import WorkerSupervisor
 from multienv.wire.framing import DONE_REPLY, PLANNED_FRAMES
 from tests.conftest import wait_until_dead
 from tests.envs import CountingEnv, FixedLengthEnv, HangOnStep, SleepyEnv
+from tests.test_multi_env import assert_same_tree
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,14 +49,69 @@ def cartpole() -> gym.Env:
     return gym.make("CartPole-v1")
 
 
-def test_healthy_steps_never_reach_the_supervisors(hand_overs):
-    with MultiEnv([cartpole] * 6, envs_per_worker=2) as envs:
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
+def test_healthy_steps_never_reach_the_supervisors(hand_overs, mode):
+    with MultiEnv([cartpole] * 6, envs_per_worker=2, autoreset_mode=mode) as envs:
         assert envs._data_plane is not None
         envs.reset(seed=0)
         finished_by_reset = hand_overs["finish"]
-        for _ in range(300):  # episodes end and reset in it
-            envs.step(envs.action_space.sample())
+        ended = 0
+        for _ in range(300):  # episodes end and reset in it (same-step: finals in infos)
+            _, _, terminated, truncated, infos = envs.step(envs.action_space.sample())
+            ended += int(np.count_nonzero(terminated | truncated))
+            if mode is AutoresetMode.SAME_STEP and (terminated | truncated).any():
+                assert infos["_final_obs"].tolist() == (terminated | truncated).tolist()
+        assert ended > 20
         assert hand_overs == {"hand_over": 0, "finish": finished_by_reset}
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 2, 3])
+def test_same_step_finals_come_through_shared_memory_as_sync_vector_env_gives_them(
+    hand_overs, envs_per_worker
+):
+    # Plain step infos ({"count": n}) and reset infos ({"seed_used": -1}): the whole answer
+    # fits in shared memory, episodes of 1 to 5 steps ending alone and together.
+    fns = [lambda n=n: FixedLengthEnv(n) for n in (2, 3, 3, 5, 1, 4)]
+    mode = AutoresetMode.SAME_STEP
+    ours = MultiEnv(fns, envs_per_worker=envs_per_worker, autoreset_mode=mode)
+    ref = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
+    try:
+        assert_same_tree(ours.reset(seed=3), ref.reset(seed=3), "reset")
+        actions = np.ones(6, dtype=np.int64)
+        before = 0
+        for t in range(45):
+            if t == 5:  # each worker has sent the schemas of its infos and its resets' infos
+                before = hand_overs["hand_over"]
+            assert_same_tree(list(ours.step(actions)), list(ref.step(actions)), f"step {t}")
+        assert hand_overs["hand_over"] == before
+    finally:
+        ours.close()
+        ref.close()
+
+
+@pytest.mark.fault
+def test_a_death_handed_over_keeps_the_finals_the_other_workers_left_in_shared_memory(
+    hand_overs,
+):
+    mode = AutoresetMode.SAME_STEP
+    with MultiEnv([lambda: FixedLengthEnv(1)] * 4, envs_per_worker=2, autoreset_mode=mode) as envs:
+        envs.reset(seed=0)
+        actions = np.ones(4, dtype=np.int64)
+        for _ in range(2):  # every step ends every episode; the first registers schemas
+            envs.step(actions)
+        before = hand_overs["hand_over"]
+        dead = envs.envs[0].pid
+        os.kill(dead, signal.SIGKILL)
+        wait_until_dead([dead])
+        obs, _, terminated, truncated, infos = envs.step(actions)
+        assert hand_overs["hand_over"] == before + 1
+        assert terminated.tolist() == [False, False, True, True]  # the others ended as ever
+        assert truncated.tolist() == [True, True, False, False]  # the crash's truncation
+        assert infos["_final_obs"].tolist() == [True, True, True, True]
+        assert [final.tolist() for final in infos["final_obs"][2:]] == [[1.0], [1.0]]
+        assert infos["final_info"]["count"].tolist()[2:] == [1, 1]
+        assert infos["multienv"]["_restarted"].tolist() == [True, True, False, False]
+        assert obs[:, 0].tolist() == [0.0, 0.0, 0.0, 0.0]  # each reset at once
 
 
 @pytest.mark.parametrize("mode", list(AutoresetMode))

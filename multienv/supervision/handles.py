@@ -200,6 +200,12 @@ class SharedMemoryLink(VectorLink, Protocol):
     def row_infos(self, env_ids: np.ndarray) -> dict[int, dict[str, Any]]:
         """The infos in the rows of envs ``env_ids`` (whose workers answered), by env."""
 
+    def finals(self, env_ids: np.ndarray) -> dict[int, dict[str, Any]]:
+        """Same-step autoreset's final obs and info of ``env_ids``, by env.
+
+        From a planned step whose workers left them in shared memory (``StepPlan.has_finals``).
+        """
+
     def batch_times(self, worker_number: int) -> np.ndarray:
         """The worker's own time on each of its latest batches in shared memory (s)."""
 

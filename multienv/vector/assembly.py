@@ -134,9 +134,13 @@ class Assembly:
             assert plan is not None
             if len(clean) == len(groups):
                 self._commit(plan, slice(None))  # the usual case: one op for all envs
+                pickled.update(self._finals(plan, _ALL, terminations | truncations))
             else:
                 for number in clean:
-                    self._commit(plan, groups[number].index)
+                    index = groups[number].index
+                    self._commit(plan, index)
+                    done = terminations[index] | truncations[index]
+                    pickled.update(self._finals(plan, index, done))
         for number, (result, group_errors) in outcome.items():
             errors.update(group_errors)
             if result is None:
@@ -281,7 +285,7 @@ class Assembly:
             self.counters.note_planned(_ALL, plan.is_reset, done)
         else:
             self.counters.note_steps(done)
-        infos = link.merge_info_columns({}, _ALL, self._infos.add)
+        infos = link.merge_info_columns(self._finals(plan, _ALL, done), _ALL, self._infos.add)
         return self.observations(), rewards.copy(), terminated.copy(), truncated.copy(), infos
 
     def _commit(self, plan: StepPlan, index: slice) -> None:
@@ -294,6 +298,20 @@ class Assembly:
         done = terminated | truncated
         self.autoreset.after_episodes(index, done)
         self.counters.note_planned(index, plan.is_reset[index], done)
+
+    def _finals(self, plan: StepPlan, index: Any, done: np.ndarray) -> dict[int, dict[str, Any]]:
+        """The infos of the episodes that envs ``index`` of a clean planned step ended.
+
+        ``done``: which of them ended; their workers left the finals in shared memory when
+        ``plan.has_finals``, and then each gets its ``final_obs`` and ``final_info``.
+        """
+        if not plan.has_finals or not np.count_nonzero(done):
+            return {}
+        ended = np.arange(len(self._rewards))[index][done]
+        if not ended.size:
+            return {}
+        assert self.shared_link is not None
+        return self.shared_link.finals(ended)
 
     def _column_infos(
         self,

@@ -49,6 +49,7 @@ ITEM_DTYPE = np.dtype([("position", "<u2"), ("flags", "u1")])  # FAST_ITEM, as n
 IS_RESET, IS_AUTORESET, IS_SLOT_1, IS_KEEP_NP_RANDOM = 1, 2, 4, 8  # the flags of a FAST_ITEM
 IS_INFO_COLUMNS = 16  # a plain info goes into the shared info columns (``info_columns``)
 IS_NEXT_STEP = 32  # reset instead of step if the env's last result ended (``autoreset``)
+IS_FINALS = 64  # same-step autoreset's final obs and info go into shared memory (``planned_step``)
 _SLOT_SHIFT = 2  # IS_SLOT_1 == 1 << _SLOT_SHIFT
 DONE_RECORD = struct.Struct("<HBB")  # worker_number, seq, DONE_OK or DONE_REPLY; atomic in a pipe
 DONE_OK = 0  # everything is in shared memory

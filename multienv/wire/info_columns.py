@@ -21,6 +21,7 @@ mask is False.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import struct
 import threading
@@ -80,14 +81,20 @@ class ColumnWriter:
         cells: The vector's cells, shape ``(num_envs, MAX_CELLS)``, float64.
     """
 
-    def __init__(self, schema_ids: np.ndarray, cells: np.ndarray) -> None:
-        """Start with no schema known."""
+    def __init__(
+        self, schema_ids: np.ndarray, cells: np.ndarray, numbering: ColumnWriter | None = None
+    ) -> None:
+        """Start with no schema known, or with those of ``numbering``, which numbers them."""
         self._ids = schema_ids.data  # a memoryview: item assignment costs less than numpy's
         self._cells = cells
         self._buffer = cells.data
         self._row_bytes = cells.strides[0]
+        # The writer whose numbers this one uses (and whose ``pending`` gets its new ones).
+        self._numbering = self if numbering is None else numbering
         # (*keys, *types) -> (id, how its values pack into a row), or None: not plain
-        self._known: dict[tuple[Any, ...], tuple[int, struct.Struct] | None] = {}
+        self._known: dict[tuple[Any, ...], tuple[int, struct.Struct] | None] = (
+            {} if numbering is None else numbering._known
+        )
         self.pending: list[tuple[int, InfoSchema]] = []  # numbered, not yet sent
 
     def write(self, env_index: int, info: dict[str, Any]) -> bool:
@@ -98,7 +105,7 @@ class ColumnWriter:
         try:  # one lookup, not two: on every step of every env
             entry = self._known[signature]
         except KeyError:
-            entry = self._learn(signature, len(info))
+            entry = self._numbering._learn(signature, len(info))
         if entry is None:
             self._ids[env_index] = 0
             return False
@@ -255,7 +262,8 @@ class ColumnReader:
         The result is what ``add_info`` makes of every env's info in env order. Each key's
         array is built at once from the rows, unless it meets the same key with another dtype
         (which env comes first then decides the dtype); then every info goes through
-        ``add_info``, the rows made back into dicts.
+        ``add_info``, the rows made back into dicts. An env may have both: an episode's
+        finals pickled (``SharedBatch.finals``) and its reset's info in its row, in that order.
         """
         if not pickled and isinstance(fresh, slice) and fresh == _ALL:
             # the usual step: every env, one schema; whole columns, one copy per dtype
@@ -278,8 +286,8 @@ class ColumnReader:
         if _has_conflict(pickled, [known for known, _ in present]):
             everything = dict(pickled)
             for known, rows in present:
-                for row in rows.tolist():
-                    everything[row] = self._row_info(known, row)
+                for row in rows.tolist():  # after its finals, if it has some (``finals``)
+                    everything[row] = {**everything.get(row, {}), **self._row_info(known, row)}
             return _merge_in_order(everything, add_info)
         infos = _merge_in_order(pickled, add_info)
         for known, rows in present:
@@ -325,6 +333,16 @@ class ColumnReader:
             self._whole.clear()
         self._whole[ids] = known
         return known
+
+    def beside(self, schema_ids: np.ndarray, cells: np.ndarray) -> ColumnReader:
+        """A reader of other rows whose workers number schemas as this reader's do.
+
+        It shares this reader's schemas (``register`` on either serves both); its rows are
+        ``schema_ids`` and ``cells``, written by ``ColumnWriter``s made with ``numbering``.
+        """
+        reader = copy.copy(self)  # the schema tables are shared, not copied
+        reader._ids, reader._floats, reader._ints = schema_ids, cells, cells.view(np.int64)
+        return reader
 
     def _row_info(self, known: _Known, row: int) -> dict[str, Any]:
         """One env's info back as a dict, each value of the type the env gave."""

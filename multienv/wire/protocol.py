@@ -206,6 +206,9 @@ class StepPlan:
         is_counted: Every worker gets its slice, and the vector collects them all before it
             returns: the workers' answers may be counted, so that only the last one wakes
             the parent (a round, ``done_pipes``).
+        has_finals: Same-step autoreset, and a worker that answers its part all in shared
+            memory leaves there the final obs and info of each episode that ended
+            (``framing.IS_FINALS``, sent by the data plane only).
     """
 
     actions: np.ndarray
@@ -214,6 +217,7 @@ class StepPlan:
     wire: Any = None
     num_resets: int = -1
     is_counted: bool = False
+    has_finals: bool = False
 
     def batch(self, env_slice: slice) -> Batch:
         """The general ``Batch`` of one worker's part, for the paths that need it."""

@@ -9,6 +9,8 @@ One anonymous memory file (``os.memfd_create``) per vector holds, for every env:
 - its action, written by the parent before the step is sent (array action spaces only);
 - its reward, terminated and truncated flags;
 - a row of info cells and the id of the info's schema (``info_columns``);
+- the final observation and a row of info cells for the final info of an episode that a
+  same-step autoreset ended and reset in a planned step (``SharedBatch.finals``);
 - the flags of its item in a planned step (``framing``: reset or step, slot, autoreset).
 
 and, for every worker, the seq of its batch in flight and the seq of the last planned step
@@ -40,13 +42,14 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from multienv.wire.autoreset import resolve_next_step
+from multienv.wire.autoreset import resolve_next_step, same_step_info
 from multienv.wire.done_pipes import DoneChannels, DoneNotifier
 from multienv.wire.framing import IS_NEXT_STEP
 from multienv.wire.info_columns import (
     CELL_DTYPE,
     MAX_CELLS,
     SCHEMA_DTYPE,
+    AddInfo,
     ColumnReader,
     ColumnWriter,
     contiguous_slice,
@@ -126,6 +129,14 @@ class BatchLayout:
         self._add(("flags",), (2, num_envs), np.dtype(np.bool_))
         self._add(("info_schema",), (num_envs,), SCHEMA_DTYPE)
         self._add(("info_cells",), (num_envs, MAX_CELLS), CELL_DTYPE)
+        # Same-step autoreset's final observation and info of an env whose episode ended,
+        # when its worker's planned step reset it (``planned_step``); one array only.
+        self.has_finals = self.obs_paths == [()]
+        if self.has_finals:
+            leaf = observation_space
+            self._add(("final_obs",), (num_envs, *(leaf.shape or ())), leaf.dtype)
+            self._add(("final_schema",), (num_envs,), SCHEMA_DTYPE)
+            self._add(("final_cells",), (num_envs, MAX_CELLS), CELL_DTYPE)
         self._add(("plan_flags",), (num_envs,), np.dtype(np.uint8))
         # By worker index (a vector has at most num_envs workers).
         self._add(("seqs",), (num_envs,), np.dtype(np.uint8))
@@ -175,6 +186,9 @@ class _Mapping:
         self.flags = views[repr(("flags",))]
         self.info_schema = views[repr(("info_schema",))]
         self.info_cells = views[repr(("info_cells",))]
+        self.final_obs = views.get(repr(("final_obs",)))
+        self.final_schema = views.get(repr(("final_schema",)), np.empty(0, SCHEMA_DTYPE))
+        self.final_cells = views.get(repr(("final_cells",)), np.empty((0, MAX_CELLS)))
         self.plan_flags = views[repr(("plan_flags",))]
         self.seqs = views[repr(("seqs",))]
         self.status = views[repr(("status",))]
@@ -185,6 +199,7 @@ class _Mapping:
         """Drop the views and unmap, unless a caller still holds a view (then GC unmaps)."""
         self.obs, self.actions = {}, None
         self.rewards = self.flags = self.info_schema = self.info_cells = np.empty(0)
+        self.final_obs, self.final_schema, self.final_cells = None, np.empty(0), np.empty(0)
         self.plan_flags = self.seqs = self.status = np.empty(0, dtype=np.uint8)
         self.batch_s, self.batch_count = np.empty((0, BATCH_TIMES)), np.empty(0, np.int64)
         try:
@@ -230,6 +245,8 @@ class SharedBatch:
             self._mapping.info_cells,
             np.arange(num_envs) if worker_of_env is None else np.asarray(worker_of_env),
         )
+        # Same-step autoreset's final infos, numbered as the infos are (``ColumnWriter``).
+        self.final_infos = self.infos.beside(self._mapping.final_schema, self._mapping.final_cells)
         # How the workers say a fast batch is done; the seq each awaits lives here.
         self.done = DoneChannels(slices, self._mapping.seqs)
         # close() runs it; so does the collector, for a vector dropped unclosed.
@@ -322,6 +339,54 @@ class SharedBatch:
         """By worker, the seq of the last planned step it answered with all in shared memory."""
         return self._mapping.status
 
+    @property
+    def has_finals(self) -> bool:
+        """Whether a planned step's same-step autoresets may leave their finals here."""
+        return self._mapping.final_obs is not None
+
+    def finals(self, env_ids: np.ndarray) -> dict[int, dict[str, Any]]:
+        """Same-step autoreset: the final obs and info of ``env_ids``, each as its env's info.
+
+        Only for envs whose episode ended in a planned step their worker answered in full in
+        shared memory (``planned_step``), which then wrote their finals here; each gets
+        ``{"final_obs": ..., "final_info": ...}``, as a pickled answer would give it (the
+        reset's own info is in the env's info row).
+        """
+        final_obs = self._mapping.final_obs
+        assert final_obs is not None
+        rows = final_obs[env_ids]  # a copy: each env's final obs is a view of it
+        final_infos = self.final_infos.row_infos(env_ids)
+        return {
+            env_index: same_step_info(rows[row], final_infos.get(env_index, {}), {})
+            for row, env_index in enumerate(env_ids.tolist())
+        }
+
+    def add_finals(
+        self, infos: dict[str, Any], env_ids: np.ndarray, add_info: AddInfo
+    ) -> dict[str, Any]:
+        """A healthy step's ``infos`` with the finals of the episodes envs ``env_ids`` ended.
+
+        What ``merge_info_columns`` gives for ``finals(env_ids)``, built for all of them at
+        once: ``final_obs`` (an object array, None where no episode ended) and
+        ``final_info`` (the final infos' columns), each with its mask. ``infos`` holds every
+        env's row; it is merged again, the finals first, in the rare case where a key would
+        meet another: a final info's ``"multienv"``, or a ``"final_info"`` among the rows.
+        """
+        final_infos = self.final_infos.merge({}, env_ids, add_info)
+        if "multienv" in final_infos or "final_info" in infos:
+            return self.infos.merge(self.finals(env_ids), _ALL, add_info)
+        final_obs = self._mapping.final_obs
+        assert final_obs is not None
+        rows = final_obs[env_ids]  # a copy: each env's final obs is a view of it
+        finals = np.full(self.num_envs, None, dtype=object)  # as Gymnasium's ``_add_info``
+        for row, env_index in enumerate(env_ids.tolist()):
+            finals[env_index] = rows[row]
+        mask = np.zeros(self.num_envs, dtype=np.bool_)
+        mask[env_ids] = True
+        infos["final_obs"], infos["_final_obs"] = finals, mask
+        infos["final_info"], infos["_final_info"] = final_infos, mask.copy()
+        return infos
+
     def read(self, env_index: int) -> Any:
         """A copy of the observation that env is on (its current slot)."""
         slot = int(self._slots()[env_index])
@@ -388,6 +453,7 @@ class PlannedRows:
     actions: np.ndarray | None  # its envs' actions; None: they are not shared
     is_discrete: bool  # the actions are Discrete: each is passed as a numpy integer
     obs: tuple[np.ndarray, np.ndarray] | None  # its envs' rows of slot 0 and 1; None: nested
+    final_obs: np.ndarray | None  # its envs' final observations (same-step); None: nested
     rewards: memoryview
     terminated: memoryview
     truncated: memoryview
@@ -428,6 +494,10 @@ class SlotWriter:
         self.writes_each_obs = sum(array[0, 0].nbytes for _, array in self._obs) >= _LARGE_OBS
         self._is_discrete = isinstance(layout.action_space, gym.spaces.Discrete)
         self.infos = ColumnWriter(self._mapping.info_schema, self._mapping.info_cells)
+        # Same-step autoreset's final infos, numbered with the infos (one set of schemas).
+        self.final_infos = ColumnWriter(
+            self._mapping.final_schema, self._mapping.final_cells, numbering=self.infos
+        )
         notifier.status = self._mapping.status.data  # a planned step's answer goes there too
         # Memoryviews of this worker's row: a store costs a tenth of a numpy item's.
         number = notifier.worker_number
@@ -471,6 +541,7 @@ class SlotWriter:
             actions=None if mapping.actions is None else mapping.actions[whole],
             is_discrete=self._is_discrete,
             obs=None if obs is None else (obs[0, whole], obs[1, whole]),
+            final_obs=None if mapping.final_obs is None else mapping.final_obs[whole],
             rewards=mapping.rewards.data,
             terminated=mapping.flags[0].data,
             truncated=mapping.flags[1].data,

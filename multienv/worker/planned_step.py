@@ -3,8 +3,9 @@
 A vector's healthy step wakes every worker with the same byte (``framing.PLANNED_STEP``);
 the worker finds the step's seq and its envs' item flags in shared memory. On nearly every
 step those flags are the same for all its envs: step each one (or, under next-step
-autoreset, reset those whose last result ended), observations into one slot, infos into
-the info columns. ``PlannedStep.run`` runs that step as ``scripts/bare_probe.py``'s worker
+autoreset, reset those whose last result ended; under same-step autoreset, reset at once
+each one whose step ended, its final obs and info into rows of their own), observations
+into one slot, infos into the info columns. ``PlannedStep.run`` runs that step as ``scripts/bare_probe.py``'s worker
 does, top to bottom, with the worker's rows of the shared buffers mapped once
 (``PlannedRows``) and no per-env objects::
 
@@ -18,9 +19,11 @@ does, top to bottom, with the worker's rows of the shared buffers mapped once
 
 Anything else is handed to the general fast batch before any env moves: flags that differ
 between envs (a masked reset, a replay after a death), explicit resets, same-step
-autoreset. What goes wrong in the loop is answered as the general batch answers it: an env's
-exception, an info that the columns cannot hold, a new info schema or a generator to keep
-go back in a ``Reply`` on the worker's pipe (``DONE_REPLY``); the other envs step on.
+autoreset whose finals may not go into shared memory (``framing.IS_FINALS`` unset: only the
+data plane sets it). What goes wrong in the loop is answered as the general batch answers
+it: an env's exception, an info that the columns cannot hold, a new info schema or a
+generator to keep go back in a ``Reply`` on the worker's pipe (``DONE_REPLY``), and so do
+the step's finals then; the other envs step on.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from multienv.wire.framing import (
     DONE_OK,
     DONE_REPLY,
     IS_AUTORESET,
+    IS_FINALS,
     IS_INFO_COLUMNS,
     IS_KEEP_NP_RANDOM,
     IS_NEXT_STEP,
@@ -53,7 +57,6 @@ from multienv.wire.shared_memory import PlannedRows, SlotWriter
 from multienv.worker.runner import EnvRunner, encode_reply, np_random_or_none, package_failure
 
 _perf_counter = time.perf_counter
-_UNUSUAL = IS_RESET | IS_AUTORESET  # flags that the general fast batch handles
 _READ_BYTES = 65536  # as ``MessageReader`` reads
 _KIND_OF_FRAME = {
     PLANNED_FRAMES[False]: PLANNED_STEP,
@@ -80,6 +83,7 @@ class PlannedStep:
         "_envs",
         "_fd",
         "_general",
+        "_is_general",
         "_no_ends",
         "_poll",
         "_positions",
@@ -116,6 +120,14 @@ class PlannedStep:
         self._request_fd = request_fd
         self._positions = range(size)
         self._uniform = [bytes([flags]) * size for flags in range(256)]
+        # By flags byte: whether a step of them goes to the general fast batch (explicit
+        # resets; same-step autoreset unless its finals may go into shared memory).
+        self._is_general = [
+            rows.actions is None
+            or bool(flags & IS_RESET)
+            or bool(flags & IS_AUTORESET and (not flags & IS_FINALS or rows.final_obs is None))
+            for flags in range(256)
+        ]
         self._no_ends = bytes(size)
         # One env's large observation is written as soon as it is made (``SlotWriter``);
         # a lone env's too, as there is nothing to batch; nested ones by the writer.
@@ -168,7 +180,7 @@ class PlannedStep:
         is_counted, is_round = kind != PLANNED_STEP, kind == PLANNED_ROUND
         plan = rows.plan.tobytes()
         flags = plan[0]
-        if plan != self._uniform[flags] or flags & _UNUSUAL or rows.actions is None:
+        if plan != self._uniform[flags] or self._is_general[flags]:
             self._general(seq, self._writer.planned_items()[1], is_counted, True, is_round)
             return False
         ended: bytes | list[int] = self._no_ends
@@ -176,12 +188,15 @@ class PlannedStep:
             terminated_row, truncated_row = rows.ends[0].tobytes(), rows.ends[1].tobytes()
             if terminated_row != ended or truncated_row != ended:
                 ended = [a | b for a, b in zip(terminated_row, truncated_row, strict=True)]
+        assert rows.actions is not None  # else every step goes to the general batch
         actions: Any = rows.actions if rows.is_discrete else rows.actions.copy()
         slot = 1 if flags & IS_SLOT_1 else 0
         obs_rows = None if rows.obs is None else rows.obs[slot]
         writer = self._writer
         write_info = writer.infos.write if flags & IS_INFO_COLUMNS else None
         keeps_np_random = flags & IS_KEEP_NP_RANDOM
+        is_same_step = flags & IS_AUTORESET  # and IS_FINALS: the finals go to shared memory
+        finals: list[tuple[int, Any, Any, Any]] | None = None  # position, obs, info, reset info
         envs, checks, first = self._envs, self._checks, rows.first
         rewards, terminations, truncations = rows.rewards, rows.terminated, rows.truncated
         info_ids = rows.info_ids
@@ -199,6 +214,14 @@ class PlannedStep:
                     reward, terminated, truncated = 0.0, False, False
                 else:
                     obs, reward, terminated, truncated, info = env.step(actions[position])
+                    if is_same_step and (terminated or truncated):  # reset it at once
+                        check = checks[position]
+                        if check is not None and check(obs) is not None:
+                            self._runner.check(position, obs)
+                        final_obs, final_info = obs, info
+                        obs, info = env.reset()
+                        finals = [] if finals is None else finals
+                        finals.append((position, final_obs, final_info, info))
                 check = checks[position]
                 if check is not None and check(obs) is not None:
                     self._runner.check(position, obs)  # raises, naming the space
@@ -206,6 +229,8 @@ class PlannedStep:
                 terminations[env_index] = terminated
                 truncations[env_index] = truncated
             except Exception as exc:  # noqa: BLE001 - reported for this env only; siblings go on
+                if finals and finals[-1][0] == position:  # it failed after its reset
+                    finals.pop()
                 extras = {} if extras is None else extras
                 extras[position] = Outcome(failure=package_failure(exc, position))
                 info_ids[env_index] = 0
@@ -239,6 +264,8 @@ class PlannedStep:
                 for position, obs in enumerate(observations):
                     writer.write_obs(position, slot, obs)
         infos = writer.infos
+        if finals:
+            extras = self._file_finals(finals, extras)
         schemas = infos.take_pending() if infos.pending else None
         writer.note_batch_time(_perf_counter() - began)
         if extras is None and schemas is None:
@@ -248,3 +275,33 @@ class PlannedStep:
             reply = Reply({} if extras is None else extras, schemas=schemas)
             write_message(self._fd, encode_reply(reply, None, resets))
         return resets is not None
+
+    def _file_finals(
+        self, finals: list[tuple[int, Any, Any, Any]], extras: dict[int, Outcome] | None
+    ) -> dict[int, Outcome] | None:
+        """Same-step autoreset: where the final obs and info of the episodes that ended go.
+
+        Into shared memory (``SharedBatch.finals``) when the step's answer is all there;
+        else, as the general fast batch sends them, into the reply: its final obs, info and
+        reset info each, the reset's info no longer in the env's row. Returns ``extras``.
+        """
+        rows, writer = self._rows, self._writer
+        first, pending = rows.first, writer.infos.pending
+        if extras is None and not pending:
+            final_rows, write = rows.final_obs, writer.final_infos.write
+            assert final_rows is not None  # else the step went to the general batch
+            for position, obs, info, _ in finals:
+                final_rows[position] = obs
+                if not info:
+                    writer.final_infos.clear(first + position)
+                elif not write(first + position, info):
+                    break  # not plain: every final goes into the reply
+            else:
+                if not pending:  # (a new schema's number goes in a reply)
+                    return None
+        extras = {} if extras is None else extras
+        for position, obs, info, reset_info in finals:
+            outcome = extras.setdefault(position, Outcome())
+            outcome.obs, outcome.info, outcome.reset = obs, info, (None, reset_info)
+            rows.info_ids[first + position] = 0
+        return extras

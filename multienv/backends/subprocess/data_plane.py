@@ -9,6 +9,7 @@ nothing lost, not recycling) reads top to bottom, like ``scripts/bare_probe.py``
     one poll                   <- the done pipe, every worker's death sentinel, the deadline
     the last worker's record   <- the done pipe, one read; the others answer in their status
     status, rewards, flags, observations, infos, counts: read and kept as arrays
+    final obs and infos        <- same-step autoreset, when an episode ended: read as arrays
 
 Nothing in it loops over workers but the wake-up. Everything the failure table promises is
 detected here and handled elsewhere: a death is a sentinel in the poll, a hang past its
@@ -38,6 +39,7 @@ from multienv.backends.subprocess.process_handle import ProcessHandle
 from multienv.supervision.handles import PartsPlane, StepBatch, VectorParts
 from multienv.wire.framing import (
     IS_AUTORESET,
+    IS_FINALS,
     IS_INFO_COLUMNS,
     IS_NEXT_STEP,
     IS_SLOT_1,
@@ -85,9 +87,9 @@ class DataPlane:
     __slots__ = tuple(
         "_action_dtype _action_shape _actions _actions_sent _add_info _autoreset _changes "
         "_checked _copy _counters _deadline _done_read _env_slices _flags _flags_to _frame "
-        "_held _held_bytes _is_disabled _is_next_step _is_parts _is_resets_stale _is_same_step "
-        "_is_unthanked _last_flags _latencies _needs_reset _no_end _obs_slots _plan_flags _poll "
-        "_records_bytes _records_read _resets_held _rewards _sent_at _seq "
+        "_has_finals _held _held_bytes _is_disabled _is_next_step _is_parts _is_resets_stale "
+        "_is_same_step _is_unthanked _last_flags _latencies _needs_reset _no_end _obs_slots "
+        "_plan_flags _poll _records_bytes _records_read _resets_held _rewards _sent_at _seq "
         "_seq_bytes _seqs _shared _sizes _spin_s _starts _status _steps_held _supervisors "
         "_target _timeouts _tokens _tokens_write _wake_fds parts".split()
     )
@@ -107,6 +109,8 @@ class DataPlane:
         self._is_same_step = autoreset.is_same_step
         self._is_disabled = autoreset.mode is AutoresetMode.DISABLED
         self._is_next_step = autoreset.mode is AutoresetMode.NEXT_STEP
+        # Same-step autoreset: a worker leaves an ended episode's finals in shared memory.
+        self._has_finals = self._is_same_step and shared.has_finals
         self._counters = counters
         counters.pending = self._flush_counts
         self._latencies = counters.latencies
@@ -135,6 +139,8 @@ class DataPlane:
         common = IS_INFO_COLUMNS | (
             IS_AUTORESET if self._is_same_step else IS_NEXT_STEP if self._is_next_step else 0
         )
+        if self._has_finals:
+            common |= IS_FINALS
         self._flags_to = (bytes([common]) * num_envs, bytes([common | IS_SLOT_1]) * num_envs)
         self._rewards = shared.rewards
         self._flags = shared.flags  # (2, num_envs): terminated, truncated
@@ -250,6 +256,9 @@ class DataPlane:
         if row + 1 == _HELD_STEPS:
             self._flush_counts()
         infos = self._shared.infos.merge({}, _ALL, self._add_info)
+        if self._has_finals and flag_bytes != self._no_end:  # each ended episode's finals
+            ended = np.flatnonzero(flags[0] | flags[1])
+            infos = self._shared.add_finals(infos, ended, self._add_info)
         if self._obs_slots is None:
             observations = self._shared.observations(None, copy=self._copy)
         elif self._copy:
@@ -454,6 +463,7 @@ class DataPlane:
             shared.whole_slots(self._target),
             int(np.count_nonzero(is_reset)),
             is_counted=bool(self._tokens),
+            has_finals=self._has_finals,
         )
         shared.done.open_round(is_written=True)
         shared.done.forget_records()  # only this step's count from here on

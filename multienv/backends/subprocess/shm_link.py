@@ -211,6 +211,11 @@ class SubprocessLink:
         assert self._shared is not None
         return self._shared.infos.row_infos(env_ids)
 
+    def finals(self, env_ids: np.ndarray) -> dict[int, dict[str, Any]]:
+        """Same-step autoreset's final obs and info of ``env_ids``, by env (see VectorLink)."""
+        assert self._shared is not None
+        return self._shared.finals(env_ids)
+
     def close(self) -> None:
         """Free the shared memory; the handles forget it."""
         for handle in self._handles:
