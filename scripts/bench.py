@@ -29,7 +29,10 @@ with ``envs_per_worker`` k in {1, ceil(N/cores), N}, the layouts follow the core
 process may use, and "multienv auto" with ``envs_per_worker="auto"`` (the table says which
 k it chose; its x probe is against the k=N/cores probe); "multienv async" keeps every env
 in flight with ``send``/``recv(batch_size=N // 2)``, at k=1 and k=ceil(N/cores); the
-others step the whole batch in lock step.
+others step the whole batch in lock step. "multienv k=N/cores same-step" runs with
+``autoreset_mode="SameStep"`` (as SB3's adapter and ``scripts/a2c.py`` do): an episode's
+end resets the env in the same step, as the probe and the loop do, and its final
+observation and info come in the infos.
 Gymnasium and multienv return copies of the observations (their default, ``copy=True``);
 PufferLib returns views, and so do the rows "multienv k=N/cores views" (``copy=False``) and
 "multienv k=... views spin" (the same in hot mode, ``wait="spin"``). Hot mode runs with as
@@ -378,6 +381,7 @@ def implementations(n: int, workload: str = "cheap") -> list[str]:
     names += [f"multienv k={k}" for k in sorted({1, per_core(n), n})]
     names.append("multienv auto")
     names.append(f"multienv k={per_core(n)} views")
+    names.append(f"multienv k={per_core(n)} same-step")
     names += [f"multienv k={k} spin" for k in spin_layouts(n)]
     # hot mode at its fastest, returning views as PufferLib does
     names += [f"multienv k={k} views spin" for k in spin_layouts(n)]
@@ -464,6 +468,8 @@ def run_implementation(
         options["pin_cpu"] = variant == "pinned"
     if "spin" in words:
         options["wait"] = "spin"
+    if "same-step" in words:
+        options["autoreset_mode"] = "SameStep"
     return run_vector(lambda: MultiEnv(fns, envs_per_worker=int(k), **options), steps, bank)
 
 
@@ -486,6 +492,7 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
         if -(-n // per_core(n)) <= 2:  # few cores: one worker is a layout to weigh too
             kept.add(f"multienv k={n}")
         kept.update((f"multienv k={per_core(n)}", "ale-py AtariVectorEnv"))
+        kept.add(f"multienv k={per_core(n)} same-step")
         kept.update(f"multienv async k={k}" for k in sorted({1, per_core(n)}))
         for k in spin_layouts(n):
             kept.update((f"multienv k={k} spin", f"multienv k={k} views spin"))
