@@ -246,6 +246,7 @@ def count(tree: str, child: list[str], per: int) -> float:
             stderr=subprocess.DEVNULL,
             text=True,
             env=env,
+            cwd=tree,  # workers import multienv from the current directory first
         )
         assert process.stdin is not None
         assert process.stdout is not None
