@@ -13,9 +13,11 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from multienv import EnvError, EnvStateError, MultiEnv
+from multienv.supervision.supervisor import WorkerSupervisor
 from tests.envs import (
     CountingEnv,
     DictObsEnv,
+    FixedLengthEnv,
     HangOnStep,
     KilledAfterItsDoneRecord,
     RaiseOnStep,
@@ -67,6 +69,13 @@ def check_batch(batch, loops, pending, mode) -> list[int]:
                 assert infos[key][row] == want[4][key][0], (env_index, key)
         if mode is AutoresetMode.SAME_STEP and want[4].get("_final_obs", [False])[0]:
             assert infos["_final_obs"][row], env_index
+            final, want_final = infos["final_obs"][row], want[4]["final_obs"][0]
+            for key in want_final if isinstance(want_final, dict) else [None]:
+                got_part = final if key is None else final[key]
+                want_part = want_final if key is None else want_final[key]
+                assert np.allclose(got_part, want_part), (env_index, key)
+            if "_count" in want[4]["final_info"]:  # (CountingEnv's)
+                assert infos["final_info"]["count"][row] == want[4]["final_info"]["count"][0]
     return ids
 
 
@@ -451,6 +460,54 @@ def test_workers_done_while_recv_waits_are_collected_when_another_dies():
         assert obs[:3, 0].tolist() == [4.0, 4.0, 4.0]
         envs.send(ones)  # healthy again: on the parts plane
         assert envs.recv(timeout=30)[0][:, 0].tolist() == [5.0, 5.0, 5.0, 0.0]  # reset
+
+
+def test_same_step_episode_ends_keep_the_envpool_loop_off_the_supervisors(monkeypatch):
+    # Every worker ends an episode at every step or two: the finals stay in shared memory,
+    # so no supervisor reads a reply once the infos' schemas are known.
+    finished = []
+    finish = WorkerSupervisor.finish
+    monkeypatch.setattr(WorkerSupervisor, "finish", lambda self: finished.append(1) or finish(self))
+    fns = [functools.partial(FixedLengthEnv, n) for n in (1, 2, 1, 2)]
+    with MultiEnv(fns, envs_per_worker=2, autoreset_mode=AutoresetMode.SAME_STEP) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        send_warm(envs, ones)
+        before = len(finished)
+        ended = 0
+        for _ in range(50):
+            *_, terminations, truncations, infos = envs.recv(batch_size=2)
+            ended += int(np.count_nonzero(terminations | truncations))
+            assert infos["_final_obs"].tolist() == (terminations | truncations).tolist()
+            envs.send(np.ones(2, dtype=np.int64), infos["env_id"])
+        envs.recv()
+        assert ended > 50
+        assert len(finished) == before
+
+
+def test_same_step_finals_left_in_shared_memory_are_collected_when_another_worker_dies():
+    # Workers 0-2 end an episode at every step and answer all in shared memory, finals too;
+    # worker 3 hangs and is killed: the hand-over reads their finals from shared memory.
+    fns = [functools.partial(FixedLengthEnv, 1)] * 3 + [functools.partial(HangOnStep, at_count=4)]
+    with MultiEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP) as envs:
+        envs.reset(seed=0)
+        ones = np.ones(4, dtype=np.int64)
+        send_warm(envs, ones)
+        envs.recv()
+        envs.send(ones)  # the fourth step: worker 3 hangs in it
+        killer = threading.Timer(0.6, os.kill, (envs.envs[3].pid, signal.SIGKILL))
+        killer.start()
+        try:
+            obs, _, terminations, truncations, infos = envs.recv(timeout=30)
+        finally:
+            killer.join()
+        assert infos["env_id"].tolist() == [0, 1, 2, 3]
+        assert terminations.tolist() == [True, True, True, False]
+        assert truncations.tolist() == [False, False, False, True]
+        assert infos["_final_obs"].tolist() == [True, True, True, True]
+        assert [infos["final_obs"][i].tolist() for i in range(4)] == [[1.0]] * 3 + [[3.0]]
+        assert infos["final_info"]["count"][:3].tolist() == [1, 1, 1]
+        assert obs[:, 0].tolist() == [0.0, 0.0, 0.0, 0.0]  # each reset at once
 
 
 def test_workers_done_while_recv_waits_are_collected_when_another_is_late():

@@ -214,13 +214,12 @@ class Assembly:
         rewards = self._rewards[index].tolist()
         terminated = self._terminations[index].tolist()
         truncated = self._truncations[index].tolist()
+        finals = self._finals(plan, index, self._terminations[index] | self._truncations[index])
         for item, env_index in enumerate(ids):
-            received[env_index] = (
-                rewards[item],
-                terminated[item],
-                truncated[item],
-                rows.get(env_index, {}),
-            )
+            info = rows.get(env_index, {})
+            if env_index in finals:  # its final obs and info first, then its reset's info
+                info = {**finals[env_index], **info}
+            received[env_index] = (rewards[item], terminated[item], truncated[item], info)
 
     def _row_infos(self, ids: list[int]) -> dict[int, dict[str, Any]]:
         """The infos in the rows of envs ``ids``, by env (their worker answered a plan)."""

@@ -5,9 +5,9 @@ the worker finds the step's seq and its envs' item flags in shared memory. On ne
 step those flags are the same for all its envs: step each one (or, under next-step
 autoreset, reset those whose last result ended; under same-step autoreset, reset at once
 each one whose step ended, its final obs and info into rows of their own), observations
-into one slot, infos into the info columns. ``PlannedStep.run`` runs that step as ``scripts/bare_probe.py``'s worker
-does, top to bottom, with the worker's rows of the shared buffers mapped once
-(``PlannedRows``) and no per-env objects::
+into one slot, infos into the info columns. ``PlannedStep.run`` runs that step as
+``scripts/bare_probe.py``'s worker does, top to bottom, with the worker's rows of the shared
+buffers mapped once (``PlannedRows``) and no per-env objects::
 
     seq, flags            <- the worker's byte and its envs' flags, one read each
     ends of the last step <- two rows, only under next-step autoreset

@@ -49,6 +49,7 @@ class PartsHandOver:
         _sent_at: np.ndarray
         _is_next_step: bool
         _is_same_step: bool
+        _has_finals: bool
 
         def _note_done(self, number: int) -> None: ...
 
@@ -111,6 +112,7 @@ class PartsHandOver:
             self._is_same_step,
             self._targets.astype(np.int8),  # as the shared slots
             int(np.count_nonzero(is_reset)),
+            has_finals=self._has_finals,
         )
 
     def _take_planned(self, number: int, plan: StepPlan) -> None:

@@ -22,7 +22,8 @@ handed over to the control plane: ``send`` declines, before it writes anything, 
 cannot send (a worker split, an env in flight, actions of another dtype; the vector's
 checks then say what is wrong); ``recv`` hands every worker in flight over when a worker
 dies, passes its deadline, answers with a message (an env error, an info with a new key,
-a same-step reset's final observation) or would have to be split. Each supervisor then
+a same-step reset's final observation that did not fit shared memory) or would have to be
+split. Each supervisor then
 takes its worker's part as a planned step (``WorkerSupervisor.take_planned``), and the
 vector's ``InFlight`` collects it like any batch it sent. That half of the class is
 ``parts_hand_over``.
@@ -44,6 +45,7 @@ from multienv.wire.framing import (
     DONE_OK,
     DONE_RECORD,
     IS_AUTORESET,
+    IS_FINALS,
     IS_INFO_COLUMNS,
     IS_NEXT_STEP,
     IS_SLOT_1,
@@ -76,7 +78,7 @@ class PartsPlane(PartsHandOver):
     __slots__ = tuple(
         "_action_dtype _action_shape _actions _add_info _autoreset _busy_envs _changes "
         "_counted _counters _deadlines _done _done_envs _done_mv _done_read _env_ranges "
-        "_env_slices _extras _flag_of_slot _flags _flying _flying_mv _held _id_bytes "
+        "_env_slices _extras _flag_of_slot _flags _flying _flying_mv _has_finals _held _id_bytes "
         "_is_disabled _is_next_step _is_same_step _needs_reset _next _obs_slots _order "
         "_plan_flags _plane _resets _returned _rewards _sent_at _sent_mv _seqs _seqs_mv "
         "_shared _size_list _sizes _starts _supervisors _targets _worker_of resent sent".split()
@@ -109,6 +111,10 @@ class PartsPlane(PartsHandOver):
         common = IS_INFO_COLUMNS | (
             IS_AUTORESET if self._is_same_step else IS_NEXT_STEP if self._is_next_step else 0
         )
+        # Same-step autoreset: a worker leaves an ended episode's finals in shared memory.
+        self._has_finals = self._is_same_step and shared.has_finals
+        if self._has_finals:
+            common |= IS_FINALS
         self._flag_of_slot = np.array([common, common | IS_SLOT_1], dtype=np.uint8)
         assert shared.actions is not None  # a data plane's vector has array actions
         self._actions = shared.actions
@@ -390,6 +396,10 @@ class PartsPlane(PartsHandOver):
                 extra = self._extras.pop(env_index, None)
                 if extra is not None:
                     pickled[env_index] = step_info(extra, bool(ended[row]))[0]
+        if self._has_finals and np.count_nonzero(ended):  # those not pickled: in shared memory
+            in_memory = [env for env in ids[ended].tolist() if env not in pickled]
+            if in_memory:
+                pickled.update(shared.finals(np.array(in_memory, dtype=np.intp)))
         infos = _rows(shared.infos.merge(pickled, ids, self._add_info), ids)
         infos["env_id"] = ids.copy()
         latencies, now, sent_at = self._counters.latencies, time.perf_counter(), self._sent_mv
