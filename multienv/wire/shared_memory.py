@@ -362,9 +362,11 @@ class SharedBatch:
         }
 
     def add_finals(
-        self, infos: dict[str, Any], env_ids: np.ndarray, add_info: AddInfo
+        self, infos: dict[str, Any], ended: np.ndarray, add_info: AddInfo
     ) -> dict[str, Any]:
-        """A healthy step's ``infos`` with the finals of the episodes envs ``env_ids`` ended.
+        """A healthy step's ``infos`` with the finals of the episodes it ended (``ended``).
+
+        ``ended``: per env, whether its episode ended; a new array, which becomes a mask.
 
         What ``merge_info_columns`` gives for ``finals(env_ids)``, built for all of them at
         once: ``final_obs`` (an object array, None where no episode ended) and
@@ -372,19 +374,18 @@ class SharedBatch:
         env's row; it is merged again, the finals first, in the rare case where a key would
         meet another: a final info's ``"multienv"``, or a ``"final_info"`` among the rows.
         """
+        env_ids = ended.nonzero()[0]
         final_infos = self.final_infos.merge({}, env_ids, add_info)
         if "multienv" in final_infos or "final_info" in infos:
             return self.infos.merge(self.finals(env_ids), _ALL, add_info)
         final_obs = self._mapping.final_obs
         assert final_obs is not None
         rows = final_obs[env_ids]  # a copy: each env's final obs is a view of it
-        finals = np.full(self.num_envs, None, dtype=object)  # as Gymnasium's ``_add_info``
-        for row, env_index in enumerate(env_ids.tolist()):
-            finals[env_index] = rows[row]
-        mask = np.zeros(self.num_envs, dtype=np.bool_)
-        mask[env_ids] = True
-        infos["final_obs"], infos["_final_obs"] = finals, mask
-        infos["final_info"], infos["_final_info"] = final_infos, mask.copy()
+        finals = np.empty(self.num_envs, dtype=object)  # all None, as Gymnasium's
+        for env_index, row in zip(env_ids.tolist(), rows, strict=True):
+            finals[env_index] = row
+        infos["final_obs"], infos["_final_obs"] = finals, ended
+        infos["final_info"], infos["_final_info"] = final_infos, ended.copy()
         return infos
 
     def read(self, env_index: int) -> Any:

@@ -257,8 +257,7 @@ class DataPlane:
             self._flush_counts()
         infos = self._shared.infos.merge({}, _ALL, self._add_info)
         if self._has_finals and flag_bytes != self._no_end:  # each ended episode's finals
-            ended = np.flatnonzero(flags[0] | flags[1])
-            infos = self._shared.add_finals(infos, ended, self._add_info)
+            infos = self._shared.add_finals(infos, flags[0] | flags[1], self._add_info)
         if self._obs_slots is None:
             observations = self._shared.observations(None, copy=self._copy)
         elif self._copy:
