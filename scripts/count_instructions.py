@@ -20,8 +20,10 @@ the same count each run for a worker's loop, within a few percent for the parent
 path depends on when the workers answer. Kernel time, cache misses and wake-ups are not
 counted, so a change that trades one for instructions still needs ``scripts/bench.py``.
 
-``--side parent``: a ``MultiEnv`` of N envs (``--num-envs``, 16 by default), default mode;
-only the parent process is counted (the workers fork from a server it starts, outside
+``--side parent``: a ``MultiEnv`` of N envs (``--num-envs``, 16 by default), default mode
+(``--autoreset SameStep`` for same-step autoreset; the probe resets
+as same-step does, without reporting the final observation); only the parent process is
+counted (the workers fork from a server it starts, outside
 valgrind). The counters are zeroed after a warm-up and dumped after ``--steps`` vector
 steps, so start-up is not counted. Each layout is also counted for the bare probe of the
 same layout (its parent only: its forked workers run under valgrind too, slowly, uncounted),
@@ -63,6 +65,7 @@ class Args:
     layouts: str = "1,8"  # --side parent: the envs_per_worker values to count
     workers: str = ""  # --side parent: worker counts to count instead (k = ceil(N / W))
     num_envs: int = 16  # --side parent: envs in the vector
+    autoreset: str = "NextStep"  # --side parent and async: the vector's autoreset mode
     steps: int = 400  # vector steps (parent) or batches (worker) counted
     repeats: int = 1  # counts per checkout and layout
     baseline: str = ""  # another checkout of multienv, counted the same way
@@ -115,20 +118,24 @@ def count_steps(step, actions: list, steps: int) -> None:
     wait_for_mark("DONE")
 
 
-def run_parent(env_name: str, k: int, steps: int, num_envs: int = 16) -> None:
+def run_parent(
+    env_name: str, k: int, steps: int, num_envs: int = 16, autoreset: str = "NextStep"
+) -> None:
     from multienv import MultiEnv
 
     fns = [lambda: make_env(env_name)] * num_envs
-    with MultiEnv(fns, envs_per_worker=k) as envs:
+    with MultiEnv(fns, envs_per_worker=k, autoreset_mode=autoreset) as envs:
         envs.reset(seed=0)
         count_steps(envs.step, [envs.action_space.sample() for _ in range(64)], steps)
 
 
-def run_async(env_name: str, k: int, steps: int, num_envs: int = 16) -> None:
+def run_async(
+    env_name: str, k: int, steps: int, num_envs: int = 16, autoreset: str = "NextStep"
+) -> None:
     from multienv import MultiEnv
 
     fns = [lambda: make_env(env_name)] * num_envs
-    with MultiEnv(fns, envs_per_worker=k) as envs:
+    with MultiEnv(fns, envs_per_worker=k, autoreset_mode=autoreset) as envs:
         envs.reset(seed=0)
         envs.send(envs.action_space.sample())
 
@@ -274,9 +281,9 @@ def main(args: Args) -> None:
     if args.child:
         side, env_name, k = args.child, args.env, int(args.layouts)
         if side == "parent":
-            run_parent(env_name, k, args.steps, args.num_envs)
+            run_parent(env_name, k, args.steps, args.num_envs, args.autoreset)
         elif side == "async":
-            run_async(env_name, k, args.steps, args.num_envs)
+            run_async(env_name, k, args.steps, args.num_envs, args.autoreset)
         elif side == "probe":
             run_probe(env_name, k, args.steps, args.num_envs)
         else:
@@ -299,14 +306,15 @@ def main(args: Args) -> None:
     unit = {"parent": f"vector step of {n} envs", "async": f"recv({n // 2}) + send"}.get(
         args.side, "batch of 8 envs"
     )
-    print(f"{args.side}, env {args.env}: instructions per {unit} ({args.steps} counted)")
+    mode = f", {args.autoreset}" if is_parent else ""
+    print(f"{args.side}, env {args.env}{mode}: instructions per {unit} ({args.steps} counted)")
     medians: dict[str, list[tuple[int, float]]] = {name: [] for name, _ in trees}
     for k in layouts:
         counts = {}
         for name, tree in trees:
             side = "probe" if name == "probe" else args.side
             child = [side, "--env", args.env, "--layouts", str(k), "--steps", str(args.steps)]
-            child += ["--num-envs", str(n)]
+            child += ["--num-envs", str(n), "--autoreset", args.autoreset]
             per = args.steps * (2 if name == "probe" and args.side == "async" else 1)
             counts[name] = [count(tree, child, per) for _ in range(args.repeats)]
             medians[name].append((-(-n // k), float(np.median(counts[name]))))
