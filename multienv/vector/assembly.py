@@ -307,8 +307,6 @@ class Assembly:
         if not plan.has_finals or not np.count_nonzero(done):
             return {}
         ended = np.arange(len(self._rewards))[index][done]
-        if not ended.size:
-            return {}
         assert self.shared_link is not None
         return self.shared_link.finals(ended)
 

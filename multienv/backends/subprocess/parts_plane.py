@@ -21,12 +21,12 @@ Only whole workers travel this way: ``send`` of every env of some workers (any o
 handed over to the control plane: ``send`` declines, before it writes anything, what it
 cannot send (a worker split, an env in flight, actions of another dtype; the vector's
 checks then say what is wrong); ``recv`` hands every worker in flight over when a worker
-dies, passes its deadline, answers with a message (an env error, an info with a new key,
-a same-step reset's final observation that did not fit shared memory) or would have to be
-split. Each supervisor then
-takes its worker's part as a planned step (``WorkerSupervisor.take_planned``), and the
-vector's ``InFlight`` collects it like any batch it sent. That half of the class is
-``parts_hand_over``.
+dies, passes its deadline, answers with more than infos (an env's error) or would have to
+be split. A message of infos only (a new key, a same-step reset's final observation that
+did not fit shared memory) is read by the worker's supervisor and kept for ``_take``. Each
+supervisor then takes its worker's part as a planned step
+(``WorkerSupervisor.take_planned``), and the vector's ``InFlight`` collects it like any
+batch it sent. That half of the class is ``parts_hand_over``.
 """
 
 from __future__ import annotations
