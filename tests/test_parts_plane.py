@@ -435,6 +435,22 @@ def test_a_worker_killed_between_its_record_and_its_reply_on_the_parts_plane(tmp
 # ------------------------------------------------ a recv that waits for several workers
 
 
+def fourth_step_with_worker_3_killed(envs: MultiEnv):
+    """Reset, warm up, send every env's fourth step (worker 3 hangs in it) and receive it,
+    with worker 3 SIGKILLed 0.6 s after the send; the batch."""
+    envs.reset(seed=0)
+    ones = np.ones(4, dtype=np.int64)
+    send_warm(envs, ones)
+    envs.recv()
+    envs.send(ones)
+    killer = threading.Timer(0.6, os.kill, (envs.envs[3].pid, signal.SIGKILL))
+    killer.start()
+    try:
+        return envs.recv(timeout=30)
+    finally:
+        killer.join()
+
+
 def test_workers_done_while_recv_waits_are_collected_when_another_dies():
     # Workers 0-2 finish while the parent waits for all four; worker 3 hangs and is
     # killed. The three steps come back as they ended, the killed one truncated.
@@ -442,20 +458,11 @@ def test_workers_done_while_recv_waits_are_collected_when_another_dies():
         functools.partial(HangOnStep, at_count=4)
     ]
     with MultiEnv(fns) as envs:
-        envs.reset(seed=0)
-        ones = np.ones(4, dtype=np.int64)
-        send_warm(envs, ones)
-        envs.recv()
-        envs.send(ones)  # the fourth step: worker 3 hangs in it
-        killer = threading.Timer(0.6, os.kill, (envs.envs[3].pid, signal.SIGKILL))
-        killer.start()
-        try:
-            obs, rewards, _, truncations, infos = envs.recv(timeout=30)
-        finally:
-            killer.join()
+        obs, rewards, _, truncations, infos = fourth_step_with_worker_3_killed(envs)
         assert infos["env_id"].tolist() == [0, 1, 2, 3]
         assert truncations.tolist() == [False, False, False, True]
         assert infos["multienv"]["cause"][3] == "SIGKILL"
+        ones = np.ones(4, dtype=np.int64)
         assert rewards.tolist() == [1.0, 1.0, 1.0, 0.0]
         assert obs[:3, 0].tolist() == [4.0, 4.0, 4.0]
         envs.send(ones)  # healthy again: on the parts plane
@@ -490,17 +497,7 @@ def test_same_step_finals_left_in_shared_memory_are_collected_when_another_worke
     # worker 3 hangs and is killed: the hand-over reads their finals from shared memory.
     fns = [functools.partial(FixedLengthEnv, 1)] * 3 + [functools.partial(HangOnStep, at_count=4)]
     with MultiEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP) as envs:
-        envs.reset(seed=0)
-        ones = np.ones(4, dtype=np.int64)
-        send_warm(envs, ones)
-        envs.recv()
-        envs.send(ones)  # the fourth step: worker 3 hangs in it
-        killer = threading.Timer(0.6, os.kill, (envs.envs[3].pid, signal.SIGKILL))
-        killer.start()
-        try:
-            obs, _, terminations, truncations, infos = envs.recv(timeout=30)
-        finally:
-            killer.join()
+        obs, _, terminations, truncations, infos = fourth_step_with_worker_3_killed(envs)
         assert infos["env_id"].tolist() == [0, 1, 2, 3]
         assert terminations.tolist() == [True, True, True, False]
         assert truncations.tolist() == [False, False, False, True]
