@@ -35,6 +35,7 @@ from gymnasium.vector import AutoresetMode
 
 from multienv.errors import EnvStateError, ResetNeededError
 from multienv.wire.framing import IS_NEXT_STEP, IS_RESET
+from multienv.wire.info_columns import AddInfo, ColumnReader
 from multienv.wire.protocol import Outcome
 
 # A worker's step: obs, reward, terminated, truncated, info, and (final_obs, final_info) when
@@ -90,6 +91,51 @@ def same_step_info(
         merged["multienv"] = final_info["multienv"]
     merged.update(reset_info)
     return merged
+
+
+def shared_finals(
+    final_obs: np.ndarray, final_infos: ColumnReader, env_ids: np.ndarray
+) -> dict[int, dict[str, Any]]:
+    """PARENT SIDE: same-step finals a planned step left in shared memory, by env.
+
+    For envs whose episode ended in a planned step their worker answered in full in shared
+    memory (``planned_step``), which then wrote each one's final obs into ``final_obs`` and
+    its final info into ``final_infos``' rows. Each gets ``same_step_info``, as a pickled
+    answer would give it; the reset's own info is in the env's usual row.
+    """
+    rows = final_obs[env_ids]  # a copy: each env's final obs is a view of it
+    infos = final_infos.row_infos(env_ids)
+    return {
+        env_index: same_step_info(rows[row], infos.get(env_index, {}), {})
+        for row, env_index in enumerate(env_ids.tolist())
+    }
+
+
+def add_shared_finals(
+    infos: dict[str, Any],
+    ended: np.ndarray,
+    env_ids: np.ndarray,
+    final_obs: np.ndarray,
+    final_infos: ColumnReader,
+    add_info: AddInfo,
+) -> dict[str, Any] | None:
+    """PARENT SIDE: ``infos`` with the ``shared_finals`` of envs ``env_ids``, as arrays.
+
+    What ``add_info`` makes of them, built for all at once: ``final_obs`` (an object array,
+    None where no episode ended) and ``final_info`` (the final infos' columns), each with
+    ``ended`` as its mask. None, nothing added, when a key would meet another (a final
+    info's ``"multienv"``, or a ``"final_info"`` among ``infos``): merge them env by env.
+    """
+    merged_finals = final_infos.merge({}, env_ids, add_info)
+    if "multienv" in merged_finals or "final_info" in infos:
+        return None
+    rows = final_obs[env_ids]
+    finals = np.empty(len(ended), dtype=object)  # all None, as Gymnasium's
+    for env_index, row in zip(env_ids.tolist(), rows, strict=True):
+        finals[env_index] = row
+    infos["final_obs"], infos["_final_obs"] = finals, ended
+    infos["final_info"], infos["_final_info"] = merged_finals, ended.copy()
+    return infos
 
 
 class Autoreset:

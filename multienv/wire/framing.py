@@ -65,6 +65,16 @@ decode = pickle.loads
 # ---------------------------------------------------------------- the fast batch
 
 
+def plane_flags(is_same_step: bool, is_next_step: bool, has_finals: bool) -> int:
+    """A data plane's item flags but the slot: infos in columns, and the autoreset mode's.
+
+    ``has_finals``: same-step autoreset's finals may go into shared memory (``IS_FINALS``).
+    """
+    if is_same_step:
+        return IS_INFO_COLUMNS | IS_AUTORESET | (IS_FINALS if has_finals else 0)
+    return IS_INFO_COLUMNS | (IS_NEXT_STEP if is_next_step else 0)
+
+
 def item_flags(
     is_reset: np.ndarray,
     slots: np.ndarray,

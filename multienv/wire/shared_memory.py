@@ -42,7 +42,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from multienv.wire.autoreset import resolve_next_step, same_step_info
+from multienv.wire.autoreset import add_shared_finals, resolve_next_step, shared_finals
 from multienv.wire.done_pipes import DoneChannels, DoneNotifier
 from multienv.wire.framing import IS_NEXT_STEP
 from multienv.wire.info_columns import (
@@ -345,48 +345,25 @@ class SharedBatch:
         return self._mapping.final_obs is not None
 
     def finals(self, env_ids: np.ndarray) -> dict[int, dict[str, Any]]:
-        """Same-step autoreset: the final obs and info of ``env_ids``, each as its env's info.
-
-        Only for envs whose episode ended in a planned step their worker answered in full in
-        shared memory (``planned_step``), which then wrote their finals here; each gets
-        ``{"final_obs": ..., "final_info": ...}``, as a pickled answer would give it (the
-        reset's own info is in the env's info row).
-        """
-        final_obs = self._mapping.final_obs
-        assert final_obs is not None
-        rows = final_obs[env_ids]  # a copy: each env's final obs is a view of it
-        final_infos = self.final_infos.row_infos(env_ids)
-        return {
-            env_index: same_step_info(rows[row], final_infos.get(env_index, {}), {})
-            for row, env_index in enumerate(env_ids.tolist())
-        }
+        """Same-step autoreset: the finals of ``env_ids`` left here, each as its env's info."""
+        assert self._mapping.final_obs is not None
+        return shared_finals(self._mapping.final_obs, self.final_infos, env_ids)
 
     def add_finals(
         self, infos: dict[str, Any], ended: np.ndarray, add_info: AddInfo
     ) -> dict[str, Any]:
-        """A healthy step's ``infos`` with the finals of the episodes it ended (``ended``).
+        """A healthy step's ``infos`` with the finals of the episodes it ended.
 
-        ``ended``: per env, whether its episode ended; a new array, which becomes a mask.
-
-        What ``merge_info_columns`` gives for ``finals(env_ids)``, built for all of them at
-        once: ``final_obs`` (an object array, None where no episode ended) and
-        ``final_info`` (the final infos' columns), each with its mask. ``infos`` holds every
-        env's row; it is merged again, the finals first, in the rare case where a key would
-        meet another: a final info's ``"multienv"``, or a ``"final_info"`` among the rows.
+        ``infos`` holds every env's row; ``ended`` (a new array) becomes the finals' mask.
         """
+        assert self._mapping.final_obs is not None
         env_ids = ended.nonzero()[0]
-        final_infos = self.final_infos.merge({}, env_ids, add_info)
-        if "multienv" in final_infos or "final_info" in infos:
+        merged = add_shared_finals(
+            infos, ended, env_ids, self._mapping.final_obs, self.final_infos, add_info
+        )
+        if merged is None:  # a key meets another: the finals first, then the rows
             return self.infos.merge(self.finals(env_ids), _ALL, add_info)
-        final_obs = self._mapping.final_obs
-        assert final_obs is not None
-        rows = final_obs[env_ids]  # a copy: each env's final obs is a view of it
-        finals = np.empty(self.num_envs, dtype=object)  # all None, as Gymnasium's
-        for env_index, row in zip(env_ids.tolist(), rows, strict=True):
-            finals[env_index] = row
-        infos["final_obs"], infos["_final_obs"] = finals, ended
-        infos["final_info"], infos["_final_info"] = final_infos, ended.copy()
-        return infos
+        return merged
 
     def read(self, env_index: int) -> Any:
         """A copy of the observation that env is on (its current slot)."""

@@ -38,13 +38,10 @@ from gymnasium.vector import AutoresetMode
 from multienv.backends.subprocess.process_handle import ProcessHandle
 from multienv.supervision.handles import PartsPlane, StepBatch, VectorParts
 from multienv.wire.framing import (
-    IS_AUTORESET,
-    IS_FINALS,
-    IS_INFO_COLUMNS,
-    IS_NEXT_STEP,
     IS_SLOT_1,
     PLANNED_FRAMES,
     ROUND_FRAME,
+    plane_flags,
     poll_hot,
 )
 from multienv.wire.protocol import StepPlan
@@ -109,8 +106,7 @@ class DataPlane:
         self._is_same_step = autoreset.is_same_step
         self._is_disabled = autoreset.mode is AutoresetMode.DISABLED
         self._is_next_step = autoreset.mode is AutoresetMode.NEXT_STEP
-        # Same-step autoreset: a worker leaves an ended episode's finals in shared memory.
-        self._has_finals = self._is_same_step and shared.has_finals
+        self._has_finals = self._is_same_step and shared.has_finals  # (``IS_FINALS``)
         self._counters = counters
         counters.pending = self._flush_counts
         self._latencies = counters.latencies
@@ -136,11 +132,7 @@ class DataPlane:
         # The same item flags on every step, by the slot its observations go to: under
         # next-step autoreset a worker resets an env whose last result ended (``autoreset``).
         self._plan_flags = shared.plan_flags.data
-        common = IS_INFO_COLUMNS | (
-            IS_AUTORESET if self._is_same_step else IS_NEXT_STEP if self._is_next_step else 0
-        )
-        if self._has_finals:
-            common |= IS_FINALS
+        common = plane_flags(self._is_same_step, self._is_next_step, self._has_finals)
         self._flags_to = (bytes([common]) * num_envs, bytes([common | IS_SLOT_1]) * num_envs)
         self._rewards = shared.rewards
         self._flags = shared.flags  # (2, num_envs): terminated, truncated

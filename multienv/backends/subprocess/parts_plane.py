@@ -44,12 +44,9 @@ from multienv.errors import WaitTimeoutError
 from multienv.wire.framing import (
     DONE_OK,
     DONE_RECORD,
-    IS_AUTORESET,
-    IS_FINALS,
-    IS_INFO_COLUMNS,
-    IS_NEXT_STEP,
     IS_SLOT_1,
     PLANNED_FRAMES,
+    plane_flags,
 )
 from multienv.wire.protocol import Outcome
 
@@ -108,13 +105,8 @@ class PartsPlane(PartsHandOver):
         self._is_next_step = mode is AutoresetMode.NEXT_STEP
         self._is_disabled = mode is AutoresetMode.DISABLED
         self._is_same_step = mode is AutoresetMode.SAME_STEP
-        common = IS_INFO_COLUMNS | (
-            IS_AUTORESET if self._is_same_step else IS_NEXT_STEP if self._is_next_step else 0
-        )
-        # Same-step autoreset: a worker leaves an ended episode's finals in shared memory.
-        self._has_finals = self._is_same_step and shared.has_finals
-        if self._has_finals:
-            common |= IS_FINALS
+        self._has_finals = self._is_same_step and shared.has_finals  # (``IS_FINALS``)
+        common = plane_flags(self._is_same_step, self._is_next_step, self._has_finals)
         self._flag_of_slot = np.array([common, common | IS_SLOT_1], dtype=np.uint8)
         assert shared.actions is not None  # a data plane's vector has array actions
         self._actions = shared.actions
