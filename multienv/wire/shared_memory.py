@@ -131,8 +131,7 @@ class BatchLayout:
         self._add(("info_cells",), (num_envs, MAX_CELLS), CELL_DTYPE)
         # Same-step autoreset's final observation and info of an env whose episode ended,
         # when its worker's planned step reset it (``planned_step``); one array only.
-        self.has_finals = self.obs_paths == [()]
-        if self.has_finals:
+        if self.obs_paths == [()]:
             leaf = observation_space
             self._add(("final_obs",), (num_envs, *(leaf.shape or ())), leaf.dtype)
             self._add(("final_schema",), (num_envs,), SCHEMA_DTYPE)
