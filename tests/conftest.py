@@ -18,11 +18,32 @@ import cloudpickle
 import pytest
 
 from multienv.backends.subprocess import cpu_claims
+from multienv.backends.subprocess.data_plane import DataPlane
+from multienv.supervision.supervisor import WorkerSupervisor
 from multienv.wire.done_pipes import DoneNotifier
 from multienv.wire.procfs import process_table
 from multienv.wire.shared_memory import BatchLayout, SharedBatch, SlotWriter
 from multienv.worker.runner import EnvRunner
 from multienv.worker.worker import OS_NAME_PREFIX, _Loop
+
+
+@pytest.fixture
+def hand_overs(monkeypatch):
+    """How many steps the data plane handed over, and how many the supervisors finished."""
+    counts = {"hand_over": 0, "finish": 0}
+    hand_over, finish = DataPlane._hand_over, WorkerSupervisor.finish
+
+    def counted_hand_over(self, records):
+        counts["hand_over"] += 1
+        return hand_over(self, records)
+
+    def counted_finish(self):
+        counts["finish"] += 1
+        return finish(self)
+
+    monkeypatch.setattr(DataPlane, "_hand_over", counted_hand_over)
+    monkeypatch.setattr(WorkerSupervisor, "finish", counted_finish)
+    return counts
 
 
 def descendant_workers(name: str | None = None) -> list[int]:

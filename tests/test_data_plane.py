@@ -16,33 +16,12 @@ import pytest
 from gymnasium.vector import AutoresetMode
 
 from multienv import MultiEnv
-from multienv.backends.subprocess.data_plane import DataPlane
-from multienv.supervision.supervisor import WorkerSupervisor
 from multienv.wire.framing import DONE_REPLY, PLANNED_FRAMES
 from tests.conftest import wait_until_dead
 from tests.envs import CountingEnv, FixedLengthEnv, HangOnStep, SleepyEnv
 from tests.test_multi_env import assert_same_tree
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def hand_overs(monkeypatch):
-    """How many steps the data plane handed over, and how many the supervisors finished."""
-    counts = {"hand_over": 0, "finish": 0}
-    hand_over, finish = DataPlane._hand_over, WorkerSupervisor.finish
-
-    def counted_hand_over(self, records):
-        counts["hand_over"] += 1
-        return hand_over(self, records)
-
-    def counted_finish(self):
-        counts["finish"] += 1
-        return finish(self)
-
-    monkeypatch.setattr(DataPlane, "_hand_over", counted_hand_over)
-    monkeypatch.setattr(WorkerSupervisor, "finish", counted_finish)
-    return counts
 
 
 def cartpole() -> gym.Env:

@@ -180,7 +180,9 @@ class SharedMemoryLink(VectorLink, Protocol):
         returns (``StepPlan.is_counted``).
         """
 
-    def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def commit(
+        self, plan: StepPlan, index: slice | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Finish ``index`` of a plan whose workers all came back clean.
 
         Returns:
@@ -286,6 +288,12 @@ class DataPlane(Protocol):
         The ``StepPlan`` in flight is handed over to the supervisors when anything was not
         as usual; on a timeout the step stays in flight.
         """
+
+    def send_reset(self, mask: np.ndarray) -> bool:
+        """Send a reset of the envs in ``mask``; False, sending nothing, if it cannot go so."""
+
+    def receive_reset(self) -> tuple[Any, dict[str, Any]] | StepPlan:
+        """Wait for the reset: its observations and infos, or the plan handed over."""
 
     def is_in_flight(self) -> bool:
         """Whether a step was sent and not yet received."""

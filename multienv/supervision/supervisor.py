@@ -97,6 +97,8 @@ def planned_deadline(
     """``items_deadline`` of one worker's slice of a plan; no slice to count in the usual case."""
     if timeouts == (None, None):
         return None
+    if plan.skip is not None:  # a reset of the envs not skipped
+        return batch_deadline(0, int(np.count_nonzero(~plan.skip[env_slice])), timeouts)
     if plan.num_resets:
         return items_deadline(plan.is_reset[env_slice], timeouts)
     return batch_deadline(env_slice.stop - env_slice.start, 0, timeouts)

@@ -91,20 +91,37 @@ class Assembly:
         self._truncations = np.zeros(num_envs, dtype=np.bool_)
 
     def reset_batch(
-        self, outcome: ByWorker, groups: Sequence[WorkerGroup], mask: np.ndarray
+        self,
+        outcome: ByWorker,
+        groups: Sequence[WorkerGroup],
+        mask: np.ndarray,
+        plan: StepPlan | None = None,
     ) -> tuple[Any, dict[str, Any], dict[int, BaseException]]:
-        """The reset's batched observations and infos, and its errors by env index."""
-        infos: dict[str, Any] = {}
+        """The reset's batched observations and infos, and its errors by env index.
+
+        ``plan``: the data plane's reset handed over (``StepPlan.skip``): a worker that
+        answered its part in full left it all in shared memory, and the infos of any that
+        answered it are in its envs' rows of the info columns.
+        """
+        pickled: dict[int, dict[str, Any]] = {}
         errors: dict[int, BaseException] = {}
+        answered: list[int] = []  # envs whose infos are in their rows
         for number, group in enumerate(groups):
             if number not in outcome:
                 continue
             result, group_errors = outcome[number]
             errors.update(group_errors)
-            if result is None:
-                continue
             ids = [env_index for env_index in group.env_ids if mask[env_index]]
+            if result is None:
+                if plan is not None and not group_errors and ids:  # all in shared memory
+                    assert self.shared_link is not None
+                    self.shared_link.commit(plan, np.asarray(ids, dtype=np.intp))
+                    self.autoreset.after_reset(ids)
+                    answered += ids
+                continue
             self.autoreset.after_reset([i for i in ids if i not in group_errors])
+            if result.info_columns:
+                answered += ids
             for item, env_index in enumerate(ids):
                 if env_index in group_errors:
                     continue
@@ -112,7 +129,13 @@ class Assembly:
                     self.env_obs[env_index] = result.obs[item]
                 extra = result.extras.get(item)
                 if extra is not None and extra.info:
-                    infos = self._infos.add(infos, extra.info, env_index)
+                    pickled[env_index] = extra.info
+        if answered:
+            assert self.shared_link is not None
+            fresh = np.asarray(answered, dtype=np.intp)
+            infos = self.shared_link.merge_info_columns(pickled, fresh, self._infos.add)
+        else:
+            infos = self._infos.merge(pickled)
         return self.observations(), infos, errors
 
     def step_batch(

@@ -257,8 +257,16 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
                 ``reset_param`` idea), which resets every env.
         """
         self._check_idle("reset")
-        make_batch, mask = self._prepare_reset(seed, options)
-        return self._finish_reset(self._fan_out.run(make_batch), mask)
+        seeds, per_env, mask = self._reset_arguments(seed, options)
+        plane = self._data_plane
+        if (
+            plane is not None
+            and seed is None
+            and all(item is None for item in per_env)
+            and plane.send_reset(mask)
+        ):
+            return self._receive_reset(plane, mask)
+        return self._finish_reset(self._fan_out.run(reset_batches(seeds, per_env, mask)), mask)
 
     @clocked
     def reset_async(
@@ -271,7 +279,8 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
         The arguments are those of ``reset``; bad ones raise here, before anything is sent.
         """
         self._check_idle("reset_async")
-        make_batch, mask = self._prepare_reset(seed, options)
+        seeds, per_env, mask = self._reset_arguments(seed, options)
+        make_batch = reset_batches(seeds, per_env, mask)
         self._pending_reset = (self._fan_out.submit_slices(make_batch), mask)
 
     @clocked
@@ -297,16 +306,33 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
         self._pending_reset = None
         return self._finish_reset(outcome, mask)
 
-    def _prepare_reset(self, seed: Any, options: Any) -> tuple[MakeBatch, np.ndarray]:
-        """Check a reset's arguments; the batch of each worker, and the mask of envs reset."""
+    def _reset_arguments(
+        self, seed: Any, options: Any
+    ) -> tuple[list[int | None], list[Any], np.ndarray]:
+        """Check a reset's arguments: each env's seed and options, and the mask of envs reset."""
         seeds = vector_checks.seeds(seed, self.num_envs)
         per_env, given_mask = vector_checks.options_per_env(options, self.num_envs)
         mask = vector_checks.reset_mask(given_mask, self.num_envs)
-        return reset_batches(seeds, per_env, mask), mask
+        return seeds, per_env, mask
 
-    def _finish_reset(self, outcome: ByWorker, mask: np.ndarray) -> tuple[Any, dict[str, Any]]:
+    def _receive_reset(self, plane: DataPlane, mask: np.ndarray) -> tuple[Any, dict[str, Any]]:
+        """The data plane's reset in flight; collected by the control plane if it hands it over."""
+        try:
+            received = plane.receive_reset()
+        except BaseException:
+            plane.interrupt()  # Ctrl-C mid-wait: the supervisors collect it before the next
+            raise
+        if type(received) is tuple:
+            return received
+        assert isinstance(received, StepPlan)
+        outcome = {number: finish(group) for number, group in enumerate(self._groups)}
+        return self._finish_reset(outcome, mask, received)
+
+    def _finish_reset(
+        self, outcome: ByWorker, mask: np.ndarray, plan: StepPlan | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         """The reset's batched observations and infos; raises the lowest env's error, if any."""
-        observations, infos, errors = self._assembly.reset_batch(outcome, self._groups, mask)
+        observations, infos, errors = self._assembly.reset_batch(outcome, self._groups, mask, plan)
         if errors:
             raise_first(errors)
         return observations, infos

@@ -50,6 +50,7 @@ IS_RESET, IS_AUTORESET, IS_SLOT_1, IS_KEEP_NP_RANDOM = 1, 2, 4, 8  # the flags o
 IS_INFO_COLUMNS = 16  # a plain info goes into the shared info columns (``info_columns``)
 IS_NEXT_STEP = 32  # reset instead of step if the env's last result ended (``autoreset``)
 IS_FINALS = 64  # same-step autoreset's final obs and info go into shared memory (``planned_step``)
+IS_SKIP = 128  # not in this planned step: a data plane's reset of some envs (``data_plane``)
 _SLOT_SHIFT = 2  # IS_SLOT_1 == 1 << _SLOT_SHIFT
 DONE_RECORD = struct.Struct("<HBB")  # worker_number, seq, DONE_OK or DONE_REPLY; atomic in a pipe
 DONE_OK = 0  # everything is in shared memory

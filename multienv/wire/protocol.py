@@ -209,6 +209,8 @@ class StepPlan:
         has_finals: Same-step autoreset, and a worker that answers its part all in shared
             memory leaves there the final obs and info of each episode that ended
             (``framing.IS_FINALS``, sent by the data plane only).
+        skip: Per env, left out of the plan: a data plane's reset of the others (every
+            env not skipped resets); None: every env is in it.
     """
 
     actions: np.ndarray
@@ -218,9 +220,14 @@ class StepPlan:
     num_resets: int = -1
     is_counted: bool = False
     has_finals: bool = False
+    skip: np.ndarray | None = None
 
     def batch(self, env_slice: slice) -> Batch:
         """The general ``Batch`` of one worker's part, for the paths that need it."""
+        if self.skip is not None:  # a reset of the envs not skipped, in position order
+            positions = np.flatnonzero(~self.skip[env_slice]).tolist()
+            size = len(positions)
+            return Batch(positions, np.ones(size, dtype=np.bool_), [None] * size)
         count = env_slice.stop - env_slice.start
         return Batch(
             list(range(count)),

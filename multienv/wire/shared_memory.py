@@ -44,7 +44,7 @@ import numpy as np
 
 from multienv.wire.autoreset import add_shared_finals, resolve_next_step, shared_finals
 from multienv.wire.done_pipes import DoneChannels, DoneNotifier
-from multienv.wire.framing import IS_NEXT_STEP
+from multienv.wire.framing import IS_NEXT_STEP, IS_SKIP
 from multienv.wire.info_columns import (
     CELL_DTYPE,
     MAX_CELLS,
@@ -490,14 +490,17 @@ class SlotWriter:
     def planned_items(self) -> tuple[int, list[tuple[int, int]]]:
         """The seq and ``(position, flags)`` items of the planned step the parent sent.
 
-        A planned step steps every env of the worker, in position order; the parent wrote
-        their flags and the worker's seq into shared memory before it woke the worker.
+        A planned step steps every env of the worker, in position order, but those whose
+        flags say ``IS_SKIP`` (a data plane's reset of some envs); the parent wrote their
+        flags and the worker's seq into shared memory before it woke the worker.
         """
         whole = self._whole
         assert whole is not None  # the parent plans only workers of a run of its envs
         mapping = self._mapping
         seq = int(mapping.seqs[self.notifier.worker_number])
         items = list(enumerate(mapping.plan_flags[whole].tolist()))
+        if any(flags & IS_SKIP for _, flags in items):  # a reset of some envs
+            items = [item for item in items if not item[1] & IS_SKIP]
         if items and items[0][1] & IS_NEXT_STEP:  # a step's flags are the same for all envs
             flags = mapping.flags
             items = resolve_next_step(items, (flags[0, whole] | flags[1, whole]).tolist())

@@ -18,7 +18,8 @@ buffers mapped once (``PlannedRows``) and no per-env objects::
     done                  -> its status and the done pipes (``DoneNotifier``)
 
 Anything else is handed to the general fast batch before any env moves: flags that differ
-between envs (a masked reset, a replay after a death), explicit resets, same-step
+between envs (a masked reset, a replay after a death), explicit resets, envs left out
+of the step (``IS_SKIP``, all of a worker's envs left out of a masked reset), same-step
 autoreset whose finals may not go into shared memory (``framing.IS_FINALS`` unset: only the
 data plane sets it). What goes wrong in the loop is answered as the general batch answers
 it: an env's exception, an info that the columns cannot hold, a new info schema or a
@@ -42,6 +43,7 @@ from multienv.wire.framing import (
     IS_KEEP_NP_RANDOM,
     IS_NEXT_STEP,
     IS_RESET,
+    IS_SKIP,
     IS_SLOT_1,
     PLANNED_FRAMES,
     PLANNED_ROUND,
@@ -121,10 +123,11 @@ class PlannedStep:
         self._positions = range(size)
         self._uniform = [bytes([flags]) * size for flags in range(256)]
         # By flags byte: whether a step of them goes to the general fast batch (explicit
-        # resets; same-step autoreset unless its finals may go into shared memory).
+        # resets, envs left out; same-step autoreset unless its finals may go into shared
+        # memory).
         self._is_general = [
             rows.actions is None
-            or bool(flags & IS_RESET)
+            or bool(flags & (IS_RESET | IS_SKIP))
             or bool(flags & IS_AUTORESET and (not flags & IS_FINALS or rows.final_obs is None))
             for flags in range(256)
         ]

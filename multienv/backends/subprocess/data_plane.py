@@ -30,7 +30,7 @@ import math
 import os
 import select
 import time
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from gymnasium.vector import AutoresetMode
@@ -38,6 +38,9 @@ from gymnasium.vector import AutoresetMode
 from multienv.backends.subprocess.process_handle import ProcessHandle
 from multienv.supervision.handles import PartsPlane, StepBatch, VectorParts
 from multienv.wire.framing import (
+    IS_INFO_COLUMNS,
+    IS_RESET,
+    IS_SKIP,
     IS_SLOT_1,
     PLANNED_FRAMES,
     ROUND_FRAME,
@@ -86,9 +89,10 @@ class DataPlane:
         "_checked _copy _counters _deadline _done_read _env_slices _flags _flags_to _frame "
         "_has_finals _held _held_bytes _is_disabled _is_next_step _is_parts _is_resets_stale "
         "_is_same_step _is_unthanked _last_flags _latencies _needs_reset _no_end _obs_slots "
-        "_plan_flags _poll _records_bytes _records_read _resets_held _rewards _sent_at _seq "
-        "_seq_bytes _seqs _shared _sizes _spin_s _starts _status _steps_held _supervisors "
-        "_target _timeouts _tokens _tokens_write _wake_fds parts".split()
+        "_plan_flags _poll _records_bytes _records_read _reset_flags _reset_mask _resets_held "
+        "_rewards _sent_at _seq _seq_bytes _seqs _shared _sizes _spin_s _starts _status "
+        "_steps_held _supervisors _target _timeouts _tokens _tokens_write _wake_fds "
+        "parts".split()
     )
 
     def __init__(self, shared: SharedBatch, vector: VectorParts) -> None:
@@ -134,6 +138,12 @@ class DataPlane:
         self._plan_flags = shared.plan_flags.data
         common = plane_flags(self._is_same_step, self._is_next_step, self._has_finals)
         self._flags_to = (bytes([common]) * num_envs, bytes([common | IS_SLOT_1]) * num_envs)
+        # A reset of some envs (``send_reset``): theirs by slot, the others skipped.
+        self._reset_flags = (
+            np.uint8(IS_RESET | IS_INFO_COLUMNS),
+            np.uint8(IS_RESET | IS_INFO_COLUMNS | IS_SLOT_1),
+        )
+        self._reset_mask: np.ndarray | None = None  # the envs of the reset in flight
         self._rewards = shared.rewards
         self._flags = shared.flags  # (2, num_envs): terminated, truncated
         self._obs_slots = shared.obs_slots  # (2, num_envs, ...) when not nested, else None
@@ -182,14 +192,45 @@ class DataPlane:
         target = 1 - slot
         self._actions[:] = actions  # a reset's action is not read
         self._plan_flags[:] = self._flags_to[target]
+        self._actions_sent, self._target = actions, target
+        self._wake(None)
+        return True
+
+    def send_reset(self, mask: np.ndarray) -> bool:
+        """Send a reset of the envs in ``mask`` (checked); False, sending nothing, if not healthy.
+
+        A planned step whose other envs are skipped (``framing.IS_SKIP``): the workers reset
+        theirs through their general fast batch, observations into the other slot and infos
+        into the columns, and answer in their status as for a step. ``receive_reset`` waits.
+        """
+        if (self._changes[0] != self._checked or self._is_parts) and not self._check():
+            return False
+        slot = self._shared.same_slot
+        if slot is None or self._actions_sent is not None:
+            return False
+        if self._steps_held and self._is_next_step:
+            self._flush_counts()  # the held window's resets are those due at its start
+        target = 1 - slot
+        flags = np.where(mask, self._reset_flags[target], np.uint8(IS_SKIP))
+        self._plan_flags[:] = flags.tobytes()
+        self._actions_sent, self._target, self._reset_mask = self._actions, target, mask
+        self._wake(np.add.reduceat(mask, self._starts, dtype=np.int64))
+        return True
+
+    def _wake(self, resets: np.ndarray | None) -> None:
+        """Number the round, start its clock and wake every worker for it.
+
+        ``resets``: per worker, how many envs the round resets (for the deadline), when it is
+        a reset; None for a step.
+        """
         seq = self._seq = self._seq % 255 + 1  # _check chose it apart from each worker's last
         self._seqs[:] = self._seq_bytes[seq]
-        self._actions_sent, self._target, self._records_read = actions, target, b""
+        self._records_read = b""
         self._sent_at = time.perf_counter()
         frame, woken = self._frame, 0
         try:
             if self._timeouts is not None:
-                self._deadline = self._deadline_after(self._sent_at)
+                self._deadline = self._deadline_after(self._sent_at, resets)
             if self._tokens:
                 os.write(self._tokens_write, self._tokens)
             for fd in self._wake_fds:
@@ -209,7 +250,6 @@ class DataPlane:
                     pass
             self.interrupt()
             raise
-        return True
 
     def receive(self, timeout: float | None = None) -> StepBatch | StepPlan | None:
         """Wait for the step ``send`` sent: its batch, or the plan handed over to the vector.
@@ -222,18 +262,9 @@ class DataPlane:
             The step's batch; or, when anything is not as usual, the ``StepPlan`` in flight,
             every worker's part taken by its supervisor, for the vector to collect.
         """
-        if self._spin_s or self._deadline is not None or timeout is not None:
-            events = self._wait(timeout)
-        else:
-            events = self._poll()
-        if len(events) != 1 or events[0][0] != self._done_read:
-            if not events and not self._is_late():
-                return None  # the caller's timeout, not a worker's deadline
-            return self._hand_over(b"")
-        # The last worker's record: the others answered in their status (``done_pipes``).
-        records = self._records_read = os.read(self._done_read, self._records_bytes)
-        if self._status.tobytes() != self._seq_bytes[self._seq]:
-            return self._hand_over(records)  # a worker answered with a message too
+        done = self._await(timeout)
+        if done is not True:
+            return done
         # Every worker is done and idle: from here on an exception loses this step's
         # results to the caller, and nothing else (the workers answered in full).
         self._actions_sent = None
@@ -264,6 +295,53 @@ class DataPlane:
         if self._is_unthanked:
             self.thank_workers()
         return observations, rewards, flags[0], flags[1], infos
+
+    def receive_reset(self) -> tuple[Any, dict[str, Any]] | StepPlan:
+        """Wait for the reset ``send_reset`` sent: its observations and infos, or its plan.
+
+        As ``receive``: the plan, every worker's part taken by its supervisor, when anything
+        is not as usual; its deadline is the workers' reset timeouts.
+        """
+        done = self._await(None)
+        if done is not True:
+            assert done is not None  # no timeout: a plan or done
+            return done
+        mask = self._reset_mask
+        assert mask is not None
+        self._actions_sent = self._reset_mask = None
+        shared = self._shared
+        env_ids = np.flatnonzero(mask)
+        shared.move_to(env_ids, shared.whole_slots(self._target)[env_ids])
+        # The workers wrote the reset envs' flags (no end): the others' ends stay.
+        self._last_flags = self._flags.tobytes()
+        self._is_resets_stale = True
+        if self._is_next_step:
+            self._resets_held[mask] = False  # none held (send_reset): due at the next step
+        infos = shared.infos.merge({}, env_ids, self._add_info)
+        observations = shared.observations(None, copy=self._copy)
+        if self._is_unthanked:
+            self.thank_workers()
+        return observations, infos
+
+    def _await(self, timeout: float | None) -> Literal[True] | StepPlan | None:
+        """Wait for the round in flight: True when every worker answered it in full.
+
+        Otherwise the plan handed over to the control plane, or None when ``timeout``
+        passed first (the round stays in flight).
+        """
+        if self._spin_s or self._deadline is not None or timeout is not None:
+            events = self._wait(timeout)
+        else:
+            events = self._poll()
+        if len(events) != 1 or events[0][0] != self._done_read:
+            if not events and not self._is_late():
+                return None  # the caller's timeout, not a worker's deadline
+            return self._hand_over(b"")
+        # The last worker's record: the others answered in their status (``done_pipes``).
+        records = self._records_read = os.read(self._done_read, self._records_bytes)
+        if self._status.tobytes() != self._seq_bytes[self._seq]:
+            return self._hand_over(records)  # a worker answered with a message too
+        return True
 
     def is_in_flight(self) -> bool:
         """Whether a step was sent and not yet received."""
@@ -412,9 +490,17 @@ class DataPlane:
             counters.steps += held
         self._steps_held = 0
 
-    def _deadline_after(self, sent_at: float) -> float | None:
-        """When the first worker is late: each gets its envs' step and reset timeouts."""
+    def _deadline_after(self, sent_at: float, resets: np.ndarray | None) -> float | None:
+        """When the first worker is late: each gets its envs' step and reset timeouts.
+
+        ``resets``: per worker, its envs that reset in a reset of some (none step); None
+        for a step.
+        """
         assert self._timeouts is not None
+        if resets is not None:  # a worker with none to reset has nothing to be late with
+            budgets = worker_budgets(resets * 0, resets, self._timeouts)
+            earliest = float(np.where(resets > 0, budgets, math.inf).min())
+            return None if math.isinf(earliest) else sent_at + earliest
         if self._is_next_step and self._last_flags != self._no_end:
             ends = self._last_ends().any(axis=0)
             resets = np.add.reduceat(ends, self._starts, dtype=np.int64)
@@ -443,18 +529,22 @@ class DataPlane:
         shared = self._shared
         if self._tokens:  # a round: each worker's record, wherever it is (``done_pipes``)
             records += shared.done.hand_over_round(self._status, self._seq)
-        if self._is_next_step:  # the envs the last step ended reset in this one
+        mask, self._reset_mask = self._reset_mask, None
+        if mask is not None:  # a reset of some envs: those not in it are skipped
+            is_reset = mask
+        elif self._is_next_step:  # the envs the last step ended reset in this one
             is_reset = np.asarray(self._last_ends().any(axis=0))
         else:
             is_reset = np.zeros(len(self._needs_reset), dtype=np.bool_)
         plan = StepPlan(
             actions,
             is_reset,
-            self._is_same_step,
+            self._is_same_step and mask is None,
             shared.whole_slots(self._target),
             int(np.count_nonzero(is_reset)),
             is_counted=bool(self._tokens),
-            has_finals=self._has_finals,
+            has_finals=self._has_finals and mask is None,
+            skip=None if mask is None else ~mask,
         )
         shared.done.open_round(is_written=True)
         shared.done.forget_records()  # only this step's count from here on

@@ -167,7 +167,9 @@ class SubprocessLink:
         num_resets = int(np.count_nonzero(is_reset))
         return StepPlan(actions, is_reset, autoreset, slots, num_resets, is_counted)
 
-    def commit(self, plan: StepPlan, index: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def commit(
+        self, plan: StepPlan, index: slice | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Move ``index`` of a clean plan to its new slots; views of its rewards and flags."""
         shared = self._shared
         assert shared is not None

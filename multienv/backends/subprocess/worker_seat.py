@@ -55,6 +55,7 @@ class WorkerSeat:
         self.has_others = shared is not None and shared.done.has_others(worker_number)
         self._own_seq = 0  # the seq of an unlinked seat (a linked one's is in shared memory)
         self._batch: Batch | None = None  # None for a planned step's slice
+        self._is_planned = False  # the batch in flight is a planned step's slice
         self._env_ids: Any = None  # the batch's env indices (array or slice); None if pickled
         self._slots: np.ndarray | None = None  # and the slots it writes
         self._plan_slots: np.ndarray | None = None  # a planned step's slots, of every env
@@ -104,7 +105,7 @@ class WorkerSeat:
         A batch travels as a few bytes when its actions fit the shared memory as they are;
         otherwise it is pickled, each item naming the slot its observation goes to.
         """
-        self._batch = batch
+        self._batch, self._is_planned = batch, False
         shared = self.shared
         if shared is None:
             self._env_ids = None
@@ -145,14 +146,20 @@ class WorkerSeat:
         return framing.fast_batch_frame(seq, framing.encode_items(batch.positions, flags)), seq
 
     def take_planned(self, plan: StepPlan, env_slice: slice) -> None:
-        """This worker's slice of a planned step is in flight; its seq is already numbered."""
-        self._batch = None
-        self._env_ids, self._slots, self._plan_slots = env_slice, None, plan.wire
+        """This worker's slice of a planned step is in flight; its seq is already numbered.
+
+        Of a plan that skips envs (a data plane's reset of some), only the others are its.
+        """
+        self._is_planned, self._slots, self._plan_slots = True, None, plan.wire
+        if plan.skip is None:
+            self._batch, self._env_ids = None, env_slice
+        else:
+            self._batch = plan.batch(env_slice)
+            self._env_ids = env_slice.start + np.asarray(self._batch.positions, dtype=np.intp)
 
     def result(self, reply: Reply) -> BatchResult:
         """The result of the batch in flight, from its reply and the shared memory."""
-        batch, env_ids = self._batch, self._env_ids
-        is_planned = batch is None
+        batch, env_ids, is_planned = self._batch, self._env_ids, self._is_planned
         if reply.schemas and self.shared is not None:
             self.shared.infos.register(self.worker_number, reply.schemas)
         if batch is None:  # a planned step's slice
