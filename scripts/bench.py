@@ -32,7 +32,10 @@ in flight with ``send``/``recv(batch_size=N // 2)``, at k=1 and k=ceil(N/cores);
 others step the whole batch in lock step. "multienv k=N/cores same-step" runs with
 ``autoreset_mode="SameStep"`` (as SB3's adapter and ``scripts/a2c.py`` do): an episode's
 end resets the env in the same step, as the probe and the loop do, and its final
-observation and info come in the infos.
+observation and info come in the infos. "multienv k=N/cores disabled" runs with
+``autoreset_mode="Disabled"``, the loop resetting the envs that ended after each step
+(``reset(options={"reset_mask": ended})``, as Tianshou's callers do): a second round
+trip whenever an episode ends, which the probe does not make.
 Gymnasium and multienv return copies of the observations (their default, ``copy=True``);
 PufferLib returns views, and so do the rows "multienv k=N/cores views" (``copy=False``) and
 "multienv k=... views spin" (the same in hot mode, ``wait="spin"``). Hot mode runs with as
@@ -289,6 +292,22 @@ def run_vector(build: Callable[[], Any], vector_steps: int, bank: list[Any]) -> 
         envs.close()
 
 
+def run_disabled(build: Callable[[], Any], vector_steps: int, bank: list[Any]) -> Timer:
+    """A vector env with autoreset disabled: the caller resets the envs that ended, by mask."""
+    envs = build()
+    try:
+        envs.reset()
+        with Timer() as timer:
+            for t in range(vector_steps):
+                _, _, terminated, truncated, _ = envs.step(bank[t % len(bank)])
+                ended = terminated | truncated
+                if ended.any():
+                    envs.reset(options={"reset_mask": ended})
+        return timer
+    finally:
+        envs.close()
+
+
 def run_tianshou(fns: list[Callable[[], gym.Env]], vector_steps: int, bank: np.ndarray) -> Timer:
     from tianshou.env import ShmemVectorEnv
 
@@ -382,6 +401,7 @@ def implementations(n: int, workload: str = "cheap") -> list[str]:
     names.append("multienv auto")
     names.append(f"multienv k={per_core(n)} views")
     names.append(f"multienv k={per_core(n)} same-step")
+    names.append(f"multienv k={per_core(n)} disabled")
     names += [f"multienv k={k} spin" for k in spin_layouts(n)]
     # hot mode at its fastest, returning views as PufferLib does
     names += [f"multienv k={k} views spin" for k in spin_layouts(n)]
@@ -470,6 +490,9 @@ def run_implementation(
         options["wait"] = "spin"
     if "same-step" in words:
         options["autoreset_mode"] = "SameStep"
+    if "disabled" in words:
+        options["autoreset_mode"] = "Disabled"
+        return run_disabled(lambda: MultiEnv(fns, envs_per_worker=int(k), **options), steps, bank)
     return run_vector(lambda: MultiEnv(fns, envs_per_worker=int(k), **options), steps, bank)
 
 
@@ -492,7 +515,7 @@ def measure_throughput(args: Args, workload: str, n: int) -> dict[str, Any]:
         if -(-n // per_core(n)) <= 2:  # few cores: one worker is a layout to weigh too
             kept.add(f"multienv k={n}")
         kept.update((f"multienv k={per_core(n)}", "ale-py AtariVectorEnv"))
-        kept.add(f"multienv k={per_core(n)} same-step")
+        kept.update(f"multienv k={per_core(n)} {mode}" for mode in ("same-step", "disabled"))
         kept.update(f"multienv async k={k}" for k in sorted({1, per_core(n)}))
         for k in spin_layouts(n):
             kept.update((f"multienv k={k} spin", f"multienv k={k} views spin"))

@@ -22,7 +22,9 @@ counted, so a change that trades one for instructions still needs ``scripts/benc
 
 ``--side parent``: a ``MultiEnv`` of N envs (``--num-envs``, 16 by default), default mode
 (``--autoreset SameStep`` for same-step autoreset; the probe resets
-as same-step does, without reporting the final observation); only the parent process is
+as same-step does, without reporting the final observation; ``--autoreset Disabled``
+counts each step with the caller's reset of the envs it ended, by mask, which the probe
+does not make); only the parent process is
 counted (the workers fork from a server it starts, outside
 valgrind). The counters are zeroed after a warm-up and dumped after ``--steps`` vector
 steps, so start-up is not counted. Each layout is also counted for the bare probe of the
@@ -126,7 +128,15 @@ def run_parent(
     fns = [lambda: make_env(env_name)] * num_envs
     with MultiEnv(fns, envs_per_worker=k, autoreset_mode=autoreset) as envs:
         envs.reset(seed=0)
-        count_steps(envs.step, [envs.action_space.sample() for _ in range(64)], steps)
+
+        def step_and_reset(actions: np.ndarray) -> None:  # Disabled: the caller resets
+            _, _, terminated, truncated, _ = envs.step(actions)
+            ended = terminated | truncated
+            if ended.any():
+                envs.reset(options={"reset_mask": ended})
+
+        step = step_and_reset if autoreset == "Disabled" else envs.step
+        count_steps(step, [envs.action_space.sample() for _ in range(64)], steps)
 
 
 def run_async(

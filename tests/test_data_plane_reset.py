@@ -18,7 +18,14 @@ from gymnasium.vector import AutoresetMode
 
 from multienv import EnvError, MultiEnv
 from tests.conftest import wait_until_dead
-from tests.envs import CountingEnv, FixedLengthEnv, HangOnResetOnce, QuietSlowReset, RaiseOnReset
+from tests.envs import (
+    CountingEnv,
+    DictObsEnv,
+    FixedLengthEnv,
+    HangOnResetOnce,
+    QuietSlowReset,
+    RaiseOnReset,
+)
 from tests.test_multi_env import assert_same_tree
 
 pytestmark = pytest.mark.timeout(60)
@@ -64,6 +71,38 @@ def test_resets_without_seeds_stay_on_the_data_plane_as_sync_vector_env_gives_th
                 assert_same_tree(ours.reset(options=options), ref.reset(options=options), str(t))
                 masked += 1
         assert masked > 20
+        assert hand_overs == before  # neither a hand-over nor a batch by the pool
+    finally:
+        ours.close()
+        ref.close()
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_resets_of_dict_observations_stay_on_the_data_plane_as_sync_vector_env_gives_them(
+    hand_overs, copy
+):
+    # Nested observations (no single array of slots); views of the vector's own arrays
+    # when copy=False, which a reset writes into as Gymnasium's vector envs do.
+    fns = [DictObsEnv] * 4
+    mode = AutoresetMode.DISABLED
+    ours = MultiEnv(fns, envs_per_worker=2, autoreset_mode=mode, copy=copy)
+    ref = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode, copy=copy)
+    rng = np.random.default_rng(5)
+    try:
+        assert_same_tree(ours.reset(seed=1), ref.reset(seed=1), "first reset")
+        masked = 0
+        for t in range(80):
+            if t == 1:  # each worker's step info registered its schema: a hand-over
+                before = dict(hand_overs)
+            actions = rng.uniform(-1, 1, size=(4, 2)).astype(np.float32)
+            _, _, terminated, truncated, _ = step = ours.step(actions)
+            assert_same_tree(list(step), list(ref.step(actions)), f"step {t}")
+            mask = terminated | truncated | (rng.random(4) < 0.1)
+            if mask.any():
+                options = {"reset_mask": mask}
+                assert_same_tree(ours.reset(options=options), ref.reset(options=options), str(t))
+                masked += 1
+        assert masked > 10
         assert hand_overs == before  # neither a hand-over nor a batch by the pool
     finally:
         ours.close()

@@ -262,7 +262,7 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
         if (
             plane is not None
             and seed is None
-            and all(item is None for item in per_env)
+            and per_env.count(None) == self.num_envs
             and plane.send_reset(mask)
         ):
             return self._receive_reset(plane, mask)

@@ -30,7 +30,7 @@ import math
 import os
 import select
 import time
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from gymnasium.vector import AutoresetMode
@@ -171,16 +171,21 @@ class DataPlane:
         self._sent_at = 0.0
         self._deadline: float | None = None
 
-    def send(self, actions: Any) -> bool:
+    def send(self, actions: Any, reset_mask: np.ndarray | None = None) -> bool:
         """Send a step of every env; False, sending nothing, if this step is not a healthy one.
 
         The caller then steps by the general path, which checks what is not as usual and
-        says what is wrong with the actions, naming the env.
+        says what is wrong with the actions, naming the env. With ``reset_mask`` (checked),
+        a reset of those envs instead (``send_reset``).
         """
         if (self._changes[0] != self._checked or self._is_parts) and not self._check():
             return False
         slot = self._shared.same_slot
-        if (
+        if reset_mask is not None:
+            if slot is None or self._actions_sent is not None:
+                return False
+            target = self._plan_reset(reset_mask, slot)
+        elif (
             slot is None
             or self._actions_sent is not None
             or type(actions) is not np.ndarray
@@ -189,48 +194,18 @@ class DataPlane:
             or (self._is_disabled and self._last_flags != self._no_end)
         ):
             return False  # (disabled autoreset: the general path says which env ended)
-        target = 1 - slot
-        self._actions[:] = actions  # a reset's action is not read
-        self._plan_flags[:] = self._flags_to[target]
-        self._actions_sent, self._target = actions, target
-        self._wake(None)
-        return True
-
-    def send_reset(self, mask: np.ndarray) -> bool:
-        """Send a reset of the envs in ``mask`` (checked); False, sending nothing, if not healthy.
-
-        A planned step whose other envs are skipped (``framing.IS_SKIP``): the workers reset
-        theirs through their general fast batch, observations into the other slot and infos
-        into the columns, and answer in their status as for a step. ``receive_reset`` waits.
-        """
-        if (self._changes[0] != self._checked or self._is_parts) and not self._check():
-            return False
-        slot = self._shared.same_slot
-        if slot is None or self._actions_sent is not None:
-            return False
-        if self._steps_held and self._is_next_step:
-            self._flush_counts()  # the held window's resets are those due at its start
-        target = 1 - slot
-        flags = np.where(mask, self._reset_flags[target], np.uint8(IS_SKIP))
-        self._plan_flags[:] = flags.tobytes()
-        self._actions_sent, self._target, self._reset_mask = self._actions, target, mask
-        self._wake(np.add.reduceat(mask, self._starts, dtype=np.int64))
-        return True
-
-    def _wake(self, resets: np.ndarray | None) -> None:
-        """Number the round, start its clock and wake every worker for it.
-
-        ``resets``: per worker, how many envs the round resets (for the deadline), when it is
-        a reset; None for a step.
-        """
+        else:
+            target = 1 - slot
+            self._actions[:] = actions  # a reset's action is not read
+            self._plan_flags[:] = self._flags_to[target]
         seq = self._seq = self._seq % 255 + 1  # _check chose it apart from each worker's last
         self._seqs[:] = self._seq_bytes[seq]
-        self._records_read = b""
+        self._actions_sent, self._target, self._records_read = actions, target, b""
         self._sent_at = time.perf_counter()
         frame, woken = self._frame, 0
         try:
             if self._timeouts is not None:
-                self._deadline = self._deadline_after(self._sent_at, resets)
+                self._deadline = self._deadline_after(self._sent_at, reset_mask)
             if self._tokens:
                 os.write(self._tokens_write, self._tokens)
             for fd in self._wake_fds:
@@ -250,6 +225,27 @@ class DataPlane:
                     pass
             self.interrupt()
             raise
+        return True
+
+    def send_reset(self, mask: np.ndarray) -> bool:
+        """Send a reset of the envs in ``mask`` (checked); False, sending nothing, if not healthy.
+
+        A planned step whose other envs are skipped (``framing.IS_SKIP``): the workers reset
+        theirs through their general fast batch and answer in their status as for a step,
+        infos into the columns. Each new observation goes into the slot every env is on,
+        over the last one of its episode, so that the batch is that slot as it is (a
+        vector returns its own arrays again, as Gymnasium's do). ``receive_reset`` waits.
+        """
+        return self.send(self._actions, mask)
+
+    def _plan_reset(self, mask: np.ndarray, slot: int) -> int:
+        """Write the item flags of a reset of the envs in ``mask``; the slot it writes."""
+        if self._steps_held and self._is_next_step:
+            self._flush_counts()  # the held window's resets are those due at its start
+        flags = np.where(mask, self._reset_flags[slot], np.uint8(IS_SKIP))
+        self._plan_flags[:] = flags.tobytes()
+        self._reset_mask = mask
+        return slot
 
     def receive(self, timeout: float | None = None) -> StepBatch | StepPlan | None:
         """Wait for the step ``send`` sent: its batch, or the plan handed over to the vector.
@@ -262,9 +258,18 @@ class DataPlane:
             The step's batch; or, when anything is not as usual, the ``StepPlan`` in flight,
             every worker's part taken by its supervisor, for the vector to collect.
         """
-        done = self._await(timeout)
-        if done is not True:
-            return done
+        if self._spin_s or self._deadline is not None or timeout is not None:
+            events = self._wait(timeout)
+        else:
+            events = self._poll()
+        if len(events) != 1 or events[0][0] != self._done_read:
+            if not events and not self._is_late():
+                return None  # the caller's timeout, not a worker's deadline
+            return self._hand_over(b"")
+        # The last worker's record: the others answered in their status (``done_pipes``).
+        records = self._records_read = os.read(self._done_read, self._records_bytes)
+        if self._status.tobytes() != self._seq_bytes[self._seq]:
+            return self._hand_over(records)  # a worker answered with a message too
         # Every worker is done and idle: from here on an exception loses this step's
         # results to the caller, and nothing else (the workers answered in full).
         self._actions_sent = None
@@ -302,46 +307,30 @@ class DataPlane:
         As ``receive``: the plan, every worker's part taken by its supervisor, when anything
         is not as usual; its deadline is the workers' reset timeouts.
         """
-        done = self._await(None)
-        if done is not True:
-            assert done is not None  # no timeout: a plan or done
-            return done
+        events = self.poll_until(self._deadline)  # none: the deadline passed
+        if len(events) != 1 or events[0][0] != self._done_read:
+            return self._hand_over(b"")
+        records = self._records_read = os.read(self._done_read, self._records_bytes)
+        if self._status.tobytes() != self._seq_bytes[self._seq]:
+            return self._hand_over(records)
         mask = self._reset_mask
         assert mask is not None
         self._actions_sent = self._reset_mask = None
-        shared = self._shared
-        env_ids = np.flatnonzero(mask)
-        shared.move_to(env_ids, shared.whole_slots(self._target)[env_ids])
         # The workers wrote the reset envs' flags (no end): the others' ends stay.
         self._last_flags = self._flags.tobytes()
         self._is_resets_stale = True
         if self._is_next_step:
             self._resets_held[mask] = False  # none held (send_reset): due at the next step
-        infos = shared.infos.merge({}, env_ids, self._add_info)
-        observations = shared.observations(None, copy=self._copy)
+        infos = self._shared.infos.merge({}, np.flatnonzero(mask), self._add_info)
+        if self._obs_slots is None:
+            observations = self._shared.observations(None, copy=self._copy)
+        elif self._copy:
+            observations = self._obs_slots[self._target].copy()
+        else:
+            observations = self._obs_slots[self._target]
         if self._is_unthanked:
             self.thank_workers()
         return observations, infos
-
-    def _await(self, timeout: float | None) -> Literal[True] | StepPlan | None:
-        """Wait for the round in flight: True when every worker answered it in full.
-
-        Otherwise the plan handed over to the control plane, or None when ``timeout``
-        passed first (the round stays in flight).
-        """
-        if self._spin_s or self._deadline is not None or timeout is not None:
-            events = self._wait(timeout)
-        else:
-            events = self._poll()
-        if len(events) != 1 or events[0][0] != self._done_read:
-            if not events and not self._is_late():
-                return None  # the caller's timeout, not a worker's deadline
-            return self._hand_over(b"")
-        # The last worker's record: the others answered in their status (``done_pipes``).
-        records = self._records_read = os.read(self._done_read, self._records_bytes)
-        if self._status.tobytes() != self._seq_bytes[self._seq]:
-            return self._hand_over(records)  # a worker answered with a message too
-        return True
 
     def is_in_flight(self) -> bool:
         """Whether a step was sent and not yet received."""
@@ -493,11 +482,12 @@ class DataPlane:
     def _deadline_after(self, sent_at: float, resets: np.ndarray | None) -> float | None:
         """When the first worker is late: each gets its envs' step and reset timeouts.
 
-        ``resets``: per worker, its envs that reset in a reset of some (none step); None
-        for a step.
+        ``resets``: per env, whether it resets in a reset of some (none step); None for a
+        step.
         """
         assert self._timeouts is not None
         if resets is not None:  # a worker with none to reset has nothing to be late with
+            resets = np.add.reduceat(resets, self._starts, dtype=np.int64)
             budgets = worker_budgets(resets * 0, resets, self._timeouts)
             earliest = float(np.where(resets > 0, budgets, math.inf).min())
             return None if math.isinf(earliest) else sent_at + earliest
