@@ -19,6 +19,11 @@ over, in flight, to the control plane: each worker's supervisor takes its part
 (``WorkerSupervisor.take_planned``), and the vector collects it as any planned step
 (``MultiEnv._collect_planned``), which may take as long as it needs.
 
+A reset without seeds or per-env options, masked or not, is the same round
+(``send_reset``, ``receive_reset``): the masked envs' flags reset them, the others'
+skip them (``framing.IS_SKIP``); handed over, each supervisor's part is its masked envs'
+resets, which the vector collects as a reset (``MultiEnv._receive_reset``).
+
 What the step takes for granted is checked again (``_check``, once over the workers) only
 after something changed a worker: a call, a general batch, a death, a recycle, close
 (``WorkerSupervisor.changes``, one counter shared by the vector's workers).
