@@ -200,6 +200,25 @@ class VectorCounters:
         self.steps += np.bincount(ids, minlength=size)
         self.episodes += np.bincount(ids[done], minlength=size)
 
+    def note_window(self, ended: np.ndarray, resets_due: np.ndarray | None) -> None:
+        """Count a window of planned steps of every env that all came back clean.
+
+        ``ended``: per step of the window and env, whether the step ended its episode.
+        ``resets_due``: under next-step autoreset, the envs that reset (instead of
+        stepping) in the window's first step; it becomes those due after the window. None:
+        no step of the window resets an env. An env steps in every step but those in which
+        it resets: under next-step autoreset, those that follow a step that ended its
+        episode. So its steps are the window's length, less the ends of its steps but the
+        last, plus the resets due at its start.
+        """
+        ends = ended.sum(axis=0, dtype=np.int64)
+        self.episodes += ends
+        if resets_due is None:
+            self.steps += len(ended)
+            return
+        self.steps += len(ended) - ends + ended[-1] - resets_due
+        resets_due[:] = ended[-1]
+
     def note_steps(self, done: np.ndarray) -> None:
         """Count a planned step in which every env stepped and came back clean."""
         self.steps += 1

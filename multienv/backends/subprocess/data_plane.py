@@ -73,6 +73,34 @@ def worker_budgets(steps: np.ndarray, resets: np.ndarray, timeouts: np.ndarray) 
     return budgets
 
 
+def plane_fds(supervisors: list[Any]) -> tuple[list[int], list[int], float] | None:
+    """Each worker's pipe and sentinel, and the longest spin, if all can take a planned step.
+
+    None when one cannot as sent by a data plane: not a subprocess worker, no process or
+    pipe, a recycle policy, not ready or idle, or envs that lost their episode.
+    """
+    wake_fds, sentinels, spins = [], [], [0.0]
+    for supervisor in supervisors:
+        handle = supervisor.handle
+        if not isinstance(handle, ProcessHandle):
+            return None
+        fds = handle.plane_fds()
+        if fds is None or supervisor.is_recycling or not supervisor.can_take_planned():
+            return None
+        wake_fds.append(fds[0])
+        sentinels.append(fds[1])
+        spins.append(handle.spin_s)
+    return wake_fds, sentinels, max(spins)
+
+
+def plane_timeouts(supervisors: list[Any]) -> np.ndarray | None:
+    """Per worker, its step and reset timeouts (s; inf: none); None if no worker has one."""
+    timeouts = [supervisor.timeouts for supervisor in supervisors]
+    if all(pair == (None, None) for pair in timeouts):
+        return None
+    return np.array([[math.inf if t is None else t for t in pair] for pair in timeouts])
+
+
 class DataPlane:
     """The healthy step of a vector of subprocess workers, each a run of its envs in order.
 
@@ -406,34 +434,20 @@ class DataPlane:
         if not self._autoreset.is_started:  # the general path says which env needs a reset
             return False
         self._flush_counts()
-        wake_fds, sentinels, spins = [], [], set()
-        for supervisor in self._supervisors:
-            handle = supervisor.handle
-            if not isinstance(handle, ProcessHandle):
-                return False
-            fds = handle.plane_fds()
-            if fds is None or supervisor.is_recycling or not supervisor.can_take_planned():
-                return False
-            wake_fds.append(fds[0])
-            sentinels.append(fds[1])
-            spins.add(handle.spin_s)
+        fds = plane_fds(self._supervisors)
         # One seq for every worker from now on: one that none of them has just used.
         used = set(self._seqs.tolist())
         free = [seq for seq in range(1, 256) if seq % 255 + 1 not in used]
-        if not free:  # 255 workers or more: the general path numbers each its own
+        if fds is None or not free:  # (255 workers or more: the general path numbers each)
             return False
         self._seq = free[0]
+        wake_fds, sentinels, spin_s = fds
         poller = select.poll()
         for fd in (self._done_read, *sentinels):
             poller.register(fd, select.POLLIN)
-        self._wake_fds, self._poll, self._spin_s = wake_fds, poller.poll, max(spins)
-        timeouts = [supervisor.timeouts for supervisor in self._supervisors]
-        self._timeouts = None
+        self._wake_fds, self._poll, self._spin_s = wake_fds, poller.poll, spin_s
+        self._timeouts = plane_timeouts(self._supervisors)
         self._deadline = None
-        if any(pair != (None, None) for pair in timeouts):
-            self._timeouts = np.array(
-                [[math.inf if t is None else t for t in pair] for pair in timeouts]
-            )
         done = self._shared.done
         done.drain_tokens()  # whatever rounds of the general path left
         done.drain(self._done_read)
@@ -462,46 +476,34 @@ class DataPlane:
         return np.frombuffer(self._last_flags, dtype=np.bool_).reshape(2, -1)
 
     def _flush_counts(self) -> None:
-        """Write the steps and episodes held back since the last flush into the counters.
-
-        An env steps in every step but those in which it resets: under next-step autoreset,
-        those that follow a step that ended its episode. So the steps of the window are its
-        length, less the ends of its steps but the last, plus the resets due at its start.
-        """
+        """Write the steps and episodes held back since the last flush into the counters."""
         if self.parts is not None:
             self.parts.flush_counts()
         held = self._steps_held
-        if not held:
-            return
-        ended = np.asarray(self._held[:held].any(axis=1))  # (held, num_envs)
-        ends = ended.sum(axis=0, dtype=np.int64)
-        counters = self._counters
-        counters.episodes += ends
-        if self._is_next_step:
-            counters.steps += held - ends + ended[-1] - self._resets_held
-            self._resets_held[:] = ended[-1]
-        else:  # no step of theirs resets an env
-            counters.steps += held
-        self._steps_held = 0
+        if held:
+            ended = np.asarray(self._held[:held].any(axis=1))  # (held, num_envs)
+            resets = self._resets_held if self._is_next_step else None
+            self._counters.note_window(ended, resets)
+            self._steps_held = 0
 
-    def _deadline_after(self, sent_at: float, resets: np.ndarray | None) -> float | None:
+    def _deadline_after(self, sent_at: float, reset_mask: np.ndarray | None) -> float | None:
         """When the first worker is late: each gets its envs' step and reset timeouts.
 
-        ``resets``: per env, whether it resets in a reset of some (none step); None for a
-        step.
+        ``reset_mask``: the envs of a reset of some (the others do nothing); None for a step.
         """
         assert self._timeouts is not None
-        if resets is not None:  # a worker with none to reset has nothing to be late with
-            resets = np.add.reduceat(resets, self._starts, dtype=np.int64)
-            budgets = worker_budgets(resets * 0, resets, self._timeouts)
-            earliest = float(np.where(resets > 0, budgets, math.inf).min())
-            return None if math.isinf(earliest) else sent_at + earliest
-        if self._is_next_step and self._last_flags != self._no_end:
+        if reset_mask is not None:
+            resets = np.add.reduceat(reset_mask, self._starts, dtype=np.int64)
+            steps = resets * 0
+        elif self._is_next_step and self._last_flags != self._no_end:
             ends = self._last_ends().any(axis=0)
             resets = np.add.reduceat(ends, self._starts, dtype=np.int64)
+            steps = self._sizes - resets
         else:
-            resets = np.zeros(len(self._starts), dtype=np.int64)
-        earliest = float(worker_budgets(self._sizes - resets, resets, self._timeouts).min())
+            resets, steps = self._sizes * 0, self._sizes
+        budgets = worker_budgets(steps, resets, self._timeouts)
+        # A worker with nothing to do in the round has nothing to be late with.
+        earliest = float(np.where(steps + resets > 0, budgets, math.inf).min())
         return None if math.isinf(earliest) else sent_at + earliest
 
     def _wait(self, timeout: float | None) -> list[tuple[int, int]]:
