@@ -31,6 +31,22 @@ from tests.test_multi_env import assert_same_tree
 pytestmark = pytest.mark.timeout(60)
 
 
+def step_then_reset_both(ours, ref, actions, chance, mode, label) -> bool:
+    """Step both vectors alike, then reset the same envs of both: whether any was reset.
+
+    The envs reset are those in ``chance`` and, under disabled autoreset, every one that
+    ended; each step and reset must give the same tree in both.
+    """
+    _, _, terminated, truncated, _ = step = ours.step(actions)
+    assert_same_tree(list(step), list(ref.step(actions)), f"step {label}")
+    mask = chance | (terminated | truncated if mode is AutoresetMode.DISABLED else False)
+    if not mask.any():
+        return False
+    options = {"reset_mask": mask}
+    assert_same_tree(ours.reset(options=options), ref.reset(options=options), f"reset {label}")
+    return True
+
+
 @pytest.mark.parametrize(
     ("mode", "envs_per_worker"),
     [
@@ -59,17 +75,10 @@ def test_resets_without_seeds_stay_on_the_data_plane_as_sync_vector_env_gives_th
         before = dict(hand_overs)
         masked = 0
         for t in range(50):
-            _, _, terminated, truncated, _ = step = ours.step(actions)
-            assert_same_tree(list(step), list(ref.step(actions)), f"step {t}")
-            mask = rng.random(6) < 0.3
-            if mode is AutoresetMode.DISABLED:
-                mask |= terminated | truncated
             if t == 25:
                 assert_same_tree(ours.reset(), ref.reset(), f"reset of all, step {t}")
-            elif mask.any():
-                options = {"reset_mask": mask}
-                assert_same_tree(ours.reset(options=options), ref.reset(options=options), str(t))
-                masked += 1
+            chance = rng.random(6) < 0.3
+            masked += step_then_reset_both(ours, ref, actions, chance, mode, str(t))
         assert masked > 20
         assert hand_overs == before  # neither a hand-over nor a batch by the pool
     finally:
@@ -95,13 +104,8 @@ def test_resets_of_dict_observations_stay_on_the_data_plane_as_sync_vector_env_g
             if t == 1:  # each worker's step info registered its schema: a hand-over
                 before = dict(hand_overs)
             actions = rng.uniform(-1, 1, size=(4, 2)).astype(np.float32)
-            _, _, terminated, truncated, _ = step = ours.step(actions)
-            assert_same_tree(list(step), list(ref.step(actions)), f"step {t}")
-            mask = terminated | truncated | (rng.random(4) < 0.1)
-            if mask.any():
-                options = {"reset_mask": mask}
-                assert_same_tree(ours.reset(options=options), ref.reset(options=options), str(t))
-                masked += 1
+            chance = rng.random(4) < 0.1
+            masked += step_then_reset_both(ours, ref, actions, chance, mode, str(t))
         assert masked > 10
         assert hand_overs == before  # neither a hand-over nor a batch by the pool
     finally:

@@ -355,12 +355,7 @@ class DataPlane:
         if self._is_next_step:
             self._resets_held[mask] = False  # none held (send_reset): due at the next step
         infos = self._shared.infos.merge({}, np.flatnonzero(mask), self._add_info)
-        if self._obs_slots is None:
-            observations = self._shared.observations(None, copy=self._copy)
-        elif self._copy:
-            observations = self._obs_slots[self._target].copy()
-        else:
-            observations = self._obs_slots[self._target]
+        observations = self._shared.observations(None, copy=self._copy)  # (the same slot)
         if self._is_unthanked:
             self.thank_workers()
         return observations, infos
