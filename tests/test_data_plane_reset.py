@@ -6,6 +6,7 @@ handed over and the batches the supervisors finished, which every reset by the p
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -235,3 +236,45 @@ def test_ctrl_c_in_a_reset_leaves_the_vector_stepping_on():
         # The interrupted reset ran in env 0 and was dropped; this step follows it.
         assert obs[:, 0].tolist() == [1.0, 2.0]
         assert rewards.tolist() == [1.0, 1.0]
+
+
+def test_reset_async_and_reset_wait_take_the_data_plane_too(hand_overs):
+    fns = [lambda n=n: FixedLengthEnv(n) for n in (2, 3, 3, 5)]
+    mode = AutoresetMode.DISABLED
+    ours = MultiEnv(fns, envs_per_worker=2, autoreset_mode=mode)
+    ref = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
+    actions = np.ones(4, dtype=np.int64)
+    try:
+        assert_same_tree(ours.reset(seed=3), ref.reset(seed=3), "first reset")
+        assert_same_tree(list(ours.step(actions)), list(ref.step(actions)), "first step")
+        assert_same_tree(ours.reset(), ref.reset(), "reset of all")  # schemas registered
+        before = dict(hand_overs)
+        for t in range(12):
+            _, _, terminated, truncated, _ = step = ours.step(actions)
+            assert_same_tree(list(step), list(ref.step(actions)), f"step {t}")
+            mask = terminated | truncated
+            if mask.any():
+                ours.reset_async(options={"reset_mask": mask})
+                assert ours._data_plane.is_in_flight()
+                reset = ours.reset_wait(timeout=10)
+                assert_same_tree(reset, ref.reset(options={"reset_mask": mask}), str(t))
+        assert hand_overs == before
+    finally:
+        ours.close()
+        ref.close()
+
+
+def test_reset_wait_timeout_keeps_the_data_plane_reset_in_flight():
+    with MultiEnv([lambda: QuietSlowReset(0.0)] * 2) as envs:
+        envs.reset(seed=0)
+        actions = np.ones(2, dtype=np.int64)
+        envs.step(actions)
+        envs.set_attr("delay_s", 0.3)
+        envs.reset_async(options={"reset_mask": np.array([False, True])})
+        assert envs._data_plane.is_in_flight()
+        with pytest.raises(multiprocessing.TimeoutError):
+            envs.reset_wait(timeout=0.05)
+        obs, _ = envs.reset_wait(timeout=10)
+        assert obs[:, 0].tolist() == [1.0, 0.0]
+        obs, *_ = envs.step(actions)
+        assert obs[:, 0].tolist() == [2.0, 1.0]

@@ -292,8 +292,10 @@ class DataPlane(Protocol):
     def send_reset(self, mask: np.ndarray) -> bool:
         """Send a reset of the envs in ``mask``; False, sending nothing, if it cannot go so."""
 
-    def receive_reset(self) -> tuple[Any, dict[str, Any]] | StepPlan:
-        """Wait for the reset: its observations and infos, or the plan handed over."""
+    def receive_reset(
+        self, timeout: float | None = None
+    ) -> tuple[Any, dict[str, Any]] | StepPlan | None:
+        """Wait for the reset: its observations and infos, the plan handed over, or None."""
 
     def is_in_flight(self) -> bool:
         """Whether a step was sent and not yet received."""

@@ -259,13 +259,8 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
         self._check_idle("reset")
         seeds, per_env, mask = self._reset_arguments(seed, options)
         plane = self._data_plane
-        if (
-            plane is not None
-            and seed is None
-            and per_env.count(None) == self.num_envs
-            and plane.send_reset(mask)
-        ):
-            return self._receive_reset(plane, mask)
+        if plane is not None and seed is None and self._send_reset(plane, per_env, mask):
+            return self._receive_reset(plane, mask, None)
         return self._finish_reset(self._fan_out.run(reset_batches(seeds, per_env, mask)), mask)
 
     @clocked
@@ -280,6 +275,10 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
         """
         self._check_idle("reset_async")
         seeds, per_env, mask = self._reset_arguments(seed, options)
+        plane = self._data_plane
+        if plane is not None and seed is None and self._send_reset(plane, per_env, mask):
+            self._pending_reset = ([], mask)  # nothing on the pool: the data plane's is in flight
+            return
         make_batch = reset_batches(seeds, per_env, mask)
         self._pending_reset = (self._fan_out.submit_slices(make_batch), mask)
 
@@ -302,6 +301,11 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
                 "Calling `reset_wait` without any prior call to `reset_async`.", "reset"
             )
         futures, mask = self._pending_reset
+        plane = self._data_plane
+        if not futures and plane is not None and plane.is_in_flight():
+            reset = self._receive_reset(plane, mask, timeout)
+            self._pending_reset = None
+            return reset
         outcome = collect_slices(futures, timeout, "reset")
         self._pending_reset = None
         return self._finish_reset(outcome, mask)
@@ -315,15 +319,30 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
         mask = vector_checks.reset_mask(given_mask, self.num_envs)
         return seeds, per_env, mask
 
-    def _receive_reset(self, plane: DataPlane, mask: np.ndarray) -> tuple[Any, dict[str, Any]]:
-        """The data plane's reset in flight; collected by the control plane if it hands it over."""
+    def _send_reset(self, plane: DataPlane, per_env: list[Any], mask: np.ndarray) -> bool:
+        """Send a reset without per-env options on the data plane; False if it cannot go so."""
+        return per_env.count(None) == self.num_envs and plane.send_reset(mask)
+
+    def _receive_reset(
+        self, plane: DataPlane, mask: np.ndarray, timeout: float | None
+    ) -> tuple[Any, dict[str, Any]]:
+        """The data plane's reset in flight; collected by the control plane if it hands it over.
+
+        Raises:
+            WaitTimeoutError: ``timeout`` passed first; the reset stays in flight.
+        """
         try:
-            received = plane.receive_reset()
+            received = plane.receive_reset(timeout)
         except BaseException:
             plane.interrupt()  # Ctrl-C mid-wait: the supervisors collect it before the next
             raise
         if type(received) is tuple:
             return received
+        if received is None:
+            raise WaitTimeoutError(
+                f"The call to `reset_wait` has timed out after {timeout} second(s); call "
+                "reset_wait() again, or close()."
+            )
         assert isinstance(received, StepPlan)
         outcome = {number: finish(group) for number, group in enumerate(self._groups)}
         return self._finish_reset(outcome, mask, received)

@@ -334,14 +334,19 @@ class DataPlane:
             self.thank_workers()
         return observations, rewards, flags[0], flags[1], infos
 
-    def receive_reset(self) -> tuple[Any, dict[str, Any]] | StepPlan:
+    def receive_reset(
+        self, timeout: float | None = None
+    ) -> tuple[Any, dict[str, Any]] | StepPlan | None:
         """Wait for the reset ``send_reset`` sent: its observations and infos, or its plan.
 
         As ``receive``: the plan, every worker's part taken by its supervisor, when anything
-        is not as usual; its deadline is the workers' reset timeouts.
+        is not as usual (its deadline is the workers' reset timeouts); None when ``timeout``
+        passed first, the reset still in flight.
         """
-        events = self.poll_until(self._deadline)  # none: the deadline passed
+        events = self._wait(timeout)
         if len(events) != 1 or events[0][0] != self._done_read:
+            if not events and not self._is_late():
+                return None  # the caller's timeout, not a worker's deadline
             return self._hand_over(b"")
         records = self._records_read = os.read(self._done_read, self._records_bytes)
         if self._status.tobytes() != self._seq_bytes[self._seq]:
