@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -46,10 +46,10 @@ from multienv.vector.fan_out import (
     finish,
     group_by_worker,
     raise_first,
-    reset_batches,
     step_batches,
 )
 from multienv.vector.planning import PlanningApi
+from multienv.vector.resetting import ResetApi
 from multienv.vector.send_recv import InFlight, SendRecvApi
 from multienv.vector.timing import CallClock, TimingApi, clocked
 from multienv.wire.autoreset import Autoreset
@@ -59,7 +59,7 @@ from multienv.wire.space_bounds import lean_batch_space
 logger = logging.getLogger(__name__)
 
 
-class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
+class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
     """A Gymnasium vector env whose sub-envs run in worker processes and survive crashes.
 
     Example:
@@ -239,122 +239,6 @@ class MultiEnv(PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any, Any]):
         )
 
     # ----------------------------------------------------------------- vector API
-
-    @clocked
-    def reset(
-        self,
-        *,
-        seed: int | Sequence[int | None] | None = None,
-        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
-    ) -> tuple[Any, dict[str, Any]]:
-        """Reset all envs, or those in ``options["reset_mask"]``.
-
-        Args:
-            seed: None, an int (env i gets ``seed + i``) or one seed per env.
-            options: A dict passed to every env's ``reset``, in which ``"reset_mask"`` (a
-                bool array of shape ``(num_envs,)``) selects the envs to reset; or a list
-                of N dicts (or None), env i getting ``options[i]`` (the env-manager
-                ``reset_param`` idea), which resets every env.
-        """
-        self._check_idle("reset")
-        seeds, per_env, mask = self._reset_arguments(seed, options)
-        plane = self._data_plane
-        if plane is not None and seed is None and self._send_reset(plane, per_env, mask):
-            return self._receive_reset(plane, mask, None)
-        return self._finish_reset(self._fan_out.run(reset_batches(seeds, per_env, mask)), mask)
-
-    @clocked
-    def reset_async(
-        self,
-        seed: int | Sequence[int | None] | None = None,
-        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
-    ) -> None:
-        """Send a reset to the envs and return at once; ``reset_wait()`` collects it.
-
-        The arguments are those of ``reset``; bad ones raise here, before anything is sent.
-        """
-        self._check_idle("reset_async")
-        seeds, per_env, mask = self._reset_arguments(seed, options)
-        plane = self._data_plane
-        if plane is not None and seed is None and self._send_reset(plane, per_env, mask):
-            self._pending_reset = ([], mask)  # nothing on the pool: the data plane's is in flight
-            return
-        make_batch = reset_batches(seeds, per_env, mask)
-        self._pending_reset = (self._fan_out.submit_slices(make_batch), mask)
-
-    @clocked
-    def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
-        """Wait for the reset sent by ``reset_async()``.
-
-        Args:
-            timeout: Seconds to wait; on expiry ``multiprocessing.TimeoutError`` is raised (as
-                AsyncVectorEnv does) and the reset stays in flight: call ``reset_wait()``
-                again.
-
-        Raises:
-            gymnasium.error.NoAsyncCallError: No ``reset_async()`` is pending.
-        """
-        if self.closed:
-            raise ClosedEnvironmentError("MultiEnv.reset_wait() called after close().")
-        if self._pending_reset is None:
-            raise NoPendingCallError(
-                "Calling `reset_wait` without any prior call to `reset_async`.", "reset"
-            )
-        futures, mask = self._pending_reset
-        plane = self._data_plane
-        if not futures and plane is not None and plane.is_in_flight():
-            reset = self._receive_reset(plane, mask, timeout)
-            self._pending_reset = None
-            return reset
-        outcome = collect_slices(futures, timeout, "reset")
-        self._pending_reset = None
-        return self._finish_reset(outcome, mask)
-
-    def _reset_arguments(
-        self, seed: Any, options: Any
-    ) -> tuple[list[int | None], list[Any], np.ndarray]:
-        """Check a reset's arguments: each env's seed and options, and the mask of envs reset."""
-        seeds = vector_checks.seeds(seed, self.num_envs)
-        per_env, given_mask = vector_checks.options_per_env(options, self.num_envs)
-        mask = vector_checks.reset_mask(given_mask, self.num_envs)
-        return seeds, per_env, mask
-
-    def _send_reset(self, plane: DataPlane, per_env: list[Any], mask: np.ndarray) -> bool:
-        """Send a reset without per-env options on the data plane; False if it cannot go so."""
-        return per_env.count(None) == self.num_envs and plane.send_reset(mask)
-
-    def _receive_reset(
-        self, plane: DataPlane, mask: np.ndarray, timeout: float | None
-    ) -> tuple[Any, dict[str, Any]]:
-        """The data plane's reset in flight; collected by the control plane if it hands it over.
-
-        Raises:
-            WaitTimeoutError: ``timeout`` passed first; the reset stays in flight.
-        """
-        try:
-            received = plane.receive_reset(timeout)
-        except BaseException:
-            plane.interrupt()  # Ctrl-C mid-wait: the supervisors collect it before the next
-            raise
-        if type(received) is tuple:
-            return received
-        if received is None:
-            raise WaitTimeoutError(
-                f"The call to `reset_wait` has timed out after {timeout} second(s); call "
-                "reset_wait() again, or close()."
-            )
-        assert isinstance(received, StepPlan)
-        outcome = {number: finish(group) for number, group in enumerate(self._groups)}
-        return self._finish_reset(outcome, mask, received)
-
-    def _finish_reset(
-        self, outcome: ByWorker, mask: np.ndarray, plan: StepPlan | None = None
-    ) -> tuple[Any, dict[str, Any]]:
-        """The reset's batched observations and infos; raises the lowest env's error, if any."""
-        observations, infos, errors = self._assembly.reset_batch(outcome, self._groups, mask, plan)
-        if errors:
-            raise_first(errors)
-        return observations, infos
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Step every env with its action; see the module docstring of ``autoreset``."""
