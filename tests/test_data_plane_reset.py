@@ -173,6 +173,31 @@ def test_a_worker_killed_in_a_reset_is_respawned_and_the_reset_replayed(hand_ove
 
 
 @pytest.mark.fault
+def test_a_worker_with_nothing_to_reset_found_dead_in_a_reset_is_respawned(hand_overs):
+    with MultiEnv([lambda: CountingEnv(episode_length=100)] * 4, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        actions = np.ones(4, dtype=np.int64)
+        envs.step(actions)
+        envs.reset()  # each worker's reset info schema, registered
+        envs.step(actions)
+        before = hand_overs["hand_over"]
+        dead = envs.envs[2].pid
+        os.kill(dead, signal.SIGKILL)
+        wait_until_dead([dead])
+        obs, infos = envs.reset(options={"reset_mask": np.array([True, False, False, False])})
+        assert hand_overs["hand_over"] == before + 1
+        assert obs[:, 0].tolist() == [0.0, 1.0, 1.0, 1.0]
+        assert infos["_seed_used"].tolist() == [True, False, False, False]
+        assert envs.envs[2].pid != dead
+        assert [env.restarts for env in envs.envs] == [0, 0, 1, 1]
+        # Envs 2 and 3 lost their episodes: the next step is the death's truncation.
+        obs, _, _, truncated, infos = envs.step(actions)
+        assert truncated.tolist() == [False, False, True, True]
+        assert infos["multienv"]["cause"][2:].tolist() == ["SIGKILL", "SIGKILL"]
+        assert obs[:, 0].tolist() == [1.0, 2.0, 1.0, 1.0]
+
+
+@pytest.mark.fault
 def test_a_reset_hanging_past_reset_timeout_is_killed_and_replayed(hand_overs, tmp_path):
     marker = tmp_path / "hang"
     marker.touch()  # no hang until it is removed
