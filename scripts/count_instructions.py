@@ -5,7 +5,7 @@ Run:
     python scripts/count_instructions.py --env cartpole --num-envs 64 --workers 2,4,8,16
                                          # the parent per step by worker count, beside the
                                          # bare probe's parent (scripts/bare_probe.py)
-    python scripts/count_instructions.py --side worker      # one worker's batch of 8 envs
+    python scripts/count_instructions.py --side worker      # one worker's batch, k=1 and 8
     python scripts/count_instructions.py --side async --env cartpole --num-envs 64 --workers 2,16
                                          # the parent per recv(N/2) + send, beside half the
                                          # probe's step
@@ -36,9 +36,12 @@ and the last line gives each one's instructions per added worker.
 line is half its synchronous step, the same env steps.
 
 ``--side worker``: one worker's planned steps (``worker.planned_step.PlannedStep``)
-stepping k=8 envs, run in this process on the vector's real shared memory and done pipes,
-counted the same way. Envs: ``zero`` (no work; HalfCheetah's spaces and its info of four
-floats), ``cartpole`` and ``halfcheetah`` (``pip install -e ".[bench]"``).
+stepping k envs (``--layouts``, 1 and 8 by default), run in this process on the vector's
+real shared memory and done pipes, counted the same way; each batch also counts the few
+lines that stand in for the parent (writing the actions and flags, draining the pipes), so
+the k=1 line is the cost per wake-up and the slope to k=8 the cost per env. Envs: ``zero``
+(no work; HalfCheetah's spaces and its info of four floats), ``cartpole`` and
+``halfcheetah`` (``pip install -e ".[bench]"``).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class Args:
     side: str = "parent"  # "parent" (per vector step), "async" (per recv(N/2) + send) or
     # "worker" (per batch of 8)
     env: str = "zero"  # zero, cartpole or halfcheetah
-    layouts: str = "1,8"  # --side parent: the envs_per_worker values to count
+    layouts: str = "1,8"  # the envs_per_worker values to count (--side worker: k per batch)
     workers: str = ""  # --side parent: worker counts to count instead (k = ceil(N / W))
     num_envs: int = 16  # --side parent: envs in the vector
     autoreset: str = "NextStep"  # --side parent and async: the vector's autoreset mode
@@ -297,7 +300,7 @@ def main(args: Args) -> None:
         elif side == "probe":
             run_probe(env_name, k, args.steps, args.num_envs)
         else:
-            run_worker(env_name, args.steps)
+            run_worker(env_name, args.steps, k)
         return
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         sys.exit("valgrind is not installed: apt-get install valgrind")
@@ -305,16 +308,14 @@ def main(args: Args) -> None:
     trees = [("this", here)] + ([("baseline", args.baseline)] if args.baseline else [])
     n = args.num_envs
     is_parent = args.side in ("parent", "async")
-    if not is_parent:
-        layouts = [8]
-    elif args.workers:
+    if args.workers and is_parent:
         layouts = [-(-n // int(w)) for w in args.workers.split(",")]
     else:
         layouts = [int(k) for k in args.layouts.split(",")]
     if is_parent:
         trees.append(("probe", here))
     unit = {"parent": f"vector step of {n} envs", "async": f"recv({n // 2}) + send"}.get(
-        args.side, "batch of 8 envs"
+        args.side, "batch of a worker's k envs"
     )
     mode = f", {args.autoreset}" if is_parent else ""
     print(f"{args.side}, env {args.env}{mode}: instructions per {unit} ({args.steps} counted)")
@@ -327,7 +328,7 @@ def main(args: Args) -> None:
             child += ["--num-envs", str(n), "--autoreset", args.autoreset]
             per = args.steps * (2 if name == "probe" and args.side == "async" else 1)
             counts[name] = [count(tree, child, per) for _ in range(args.repeats)]
-            medians[name].append((-(-n // k), float(np.median(counts[name]))))
+            medians[name].append((-(-n // k) if is_parent else k, float(np.median(counts[name]))))
             shown = ", ".join(f"{value:,.0f}" for value in counts[name])
             workers = f"W={-(-n // k):<3} " if is_parent else ""
             print(f"  {workers}k={k:<3} {name:9s} {shown}", flush=True)
@@ -340,9 +341,12 @@ def main(args: Args) -> None:
     if len(layouts) > 1:
         for name, rows in medians.items():
             (w0, first), (w1, last) = min(rows), max(rows)
-            if w1 > w0:
+            if w1 > w0 and is_parent:
                 growth = (last - first) / (w1 - w0)
                 print(f"  {name}: {growth:,.0f} instructions per added worker (W={w0} to {w1})")
+            elif w1 > w0:
+                growth = (last - first) / (w1 - w0)
+                print(f"  {name}: {growth:,.0f} instructions per added env (k={w0} to {w1})")
 
 
 def parse_args() -> Args:
