@@ -6,6 +6,7 @@ handed over and the batches the supervisors finished, which every reset by the p
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -30,6 +31,18 @@ from tests.envs import (
 from tests.test_multi_env import assert_same_tree
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.contextmanager
+def side_by_side(fns, envs_per_worker, autoreset_mode, **options):
+    """A MultiEnv and a SyncVectorEnv of the same envs and options; both closed after."""
+    ours = MultiEnv(fns, envs_per_worker=envs_per_worker, autoreset_mode=autoreset_mode, **options)
+    ref = gym.vector.SyncVectorEnv(fns, autoreset_mode=autoreset_mode, **options)
+    try:
+        yield ours, ref
+    finally:
+        ours.close()
+        ref.close()
 
 
 def step_then_reset_both(ours, ref, actions, chance, mode, label) -> bool:
@@ -64,11 +77,9 @@ def test_resets_without_seeds_stay_on_the_data_plane_as_sync_vector_env_gives_th
     # Episodes of 1 to 5 steps; each reset's info ({"seed_used": -1}) goes into the info
     # columns. Under disabled autoreset every ended env is reset, with others by chance.
     fns = [lambda n=n: FixedLengthEnv(n) for n in (2, 3, 3, 5, 1, 4)]
-    ours = MultiEnv(fns, envs_per_worker=envs_per_worker, autoreset_mode=mode)
-    ref = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
     rng = np.random.default_rng(7)
     actions = np.ones(6, dtype=np.int64)
-    try:
+    with side_by_side(fns, envs_per_worker=envs_per_worker, autoreset_mode=mode) as (ours, ref):
         assert_same_tree(ours.reset(seed=3), ref.reset(seed=3), "first reset")
         assert_same_tree(list(ours.step(actions)), list(ref.step(actions)), "first step")
         # Each worker's first reset here registers its reset info's schema: a hand-over.
@@ -82,9 +93,6 @@ def test_resets_without_seeds_stay_on_the_data_plane_as_sync_vector_env_gives_th
             masked += step_then_reset_both(ours, ref, actions, chance, mode, str(t))
         assert masked > 20
         assert hand_overs == before  # neither a hand-over nor a batch by the pool
-    finally:
-        ours.close()
-        ref.close()
 
 
 @pytest.mark.parametrize("copy", [True, False])
@@ -95,10 +103,8 @@ def test_resets_of_dict_observations_stay_on_the_data_plane_as_sync_vector_env_g
     # when copy=False, which a reset writes into as Gymnasium's vector envs do.
     fns = [DictObsEnv] * 4
     mode = AutoresetMode.DISABLED
-    ours = MultiEnv(fns, envs_per_worker=2, autoreset_mode=mode, copy=copy)
-    ref = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode, copy=copy)
     rng = np.random.default_rng(5)
-    try:
+    with side_by_side(fns, envs_per_worker=2, autoreset_mode=mode, copy=copy) as (ours, ref):
         assert_same_tree(ours.reset(seed=1), ref.reset(seed=1), "first reset")
         masked = 0
         for t in range(80):
@@ -109,9 +115,6 @@ def test_resets_of_dict_observations_stay_on_the_data_plane_as_sync_vector_env_g
             masked += step_then_reset_both(ours, ref, actions, chance, mode, str(t))
         assert masked > 10
         assert hand_overs == before  # neither a hand-over nor a batch by the pool
-    finally:
-        ours.close()
-        ref.close()
 
 
 def test_a_reset_of_one_worker_gives_the_others_no_deadline(hand_overs):
@@ -266,10 +269,8 @@ def test_ctrl_c_in_a_reset_leaves_the_vector_stepping_on():
 def test_reset_async_and_reset_wait_take_the_data_plane_too(hand_overs):
     fns = [lambda n=n: FixedLengthEnv(n) for n in (2, 3, 3, 5)]
     mode = AutoresetMode.DISABLED
-    ours = MultiEnv(fns, envs_per_worker=2, autoreset_mode=mode)
-    ref = gym.vector.SyncVectorEnv(fns, autoreset_mode=mode)
     actions = np.ones(4, dtype=np.int64)
-    try:
+    with side_by_side(fns, envs_per_worker=2, autoreset_mode=mode) as (ours, ref):
         assert_same_tree(ours.reset(seed=3), ref.reset(seed=3), "first reset")
         assert_same_tree(list(ours.step(actions)), list(ref.step(actions)), "first step")
         assert_same_tree(ours.reset(), ref.reset(), "reset of all")  # schemas registered
@@ -284,9 +285,6 @@ def test_reset_async_and_reset_wait_take_the_data_plane_too(hand_overs):
                 reset = ours.reset_wait(timeout=10)
                 assert_same_tree(reset, ref.reset(options={"reset_mask": mask}), str(t))
         assert hand_overs == before
-    finally:
-        ours.close()
-        ref.close()
 
 
 def test_reset_wait_timeout_keeps_the_data_plane_reset_in_flight():
