@@ -745,3 +745,52 @@ class SegfaultOnceFrameEnv(BigFrameEnv):
         if self.count + 1 == self.at_count and _crash_once(self.marker):
             segfault()
         return super().step(action)
+
+
+class IncarnationEnv(gym.Env):
+    """``obs = [t, total, incarnation]``: the step in the episode, the steps this instance took,
+    and a random id drawn when the instance is built, so a result from a dead worker shows.
+
+    ``step_sleep_s`` makes a step last long enough for a kill to land in it. The markers are
+    files armed by their absence (``_crash_once`` creates them as it fires): ``marker`` makes
+    the next reset segfault, ``raise_marker`` the next step raise, ``reset_raise_marker``
+    the next reset raise.
+    """
+
+    def __init__(
+        self,
+        episode_length: int = 1000,
+        step_sleep_s: float = 0.0,
+        marker: str | None = None,
+        raise_marker: str | None = None,
+        reset_raise_marker: str | None = None,
+    ) -> None:
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
+        self.action_space = gym.spaces.Discrete(2)
+        self.episode_length = episode_length
+        self.step_sleep_s = step_sleep_s
+        self.marker, self.raise_marker = marker, raise_marker
+        self.reset_raise_marker = reset_raise_marker
+        self.incarnation = float(int.from_bytes(os.urandom(3), "little") + 1)
+        self.t = self.total = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if self.marker is not None and _crash_once(self.marker):
+            segfault()
+        if self.reset_raise_marker is not None and _crash_once(self.reset_raise_marker):
+            raise ValueError("reset raised on request")
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)
+        if self.raise_marker is not None and _crash_once(self.raise_marker):
+            raise ValueError("step raised on request")
+        self.t += 1
+        self.total += 1
+        return self._obs(), float(action) + 1.0, self.t >= self.episode_length, False, {}
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.t, self.total, self.incarnation], dtype=np.float64)

@@ -1,0 +1,89 @@
+"""Faults that combine, or land in the loops around the step: the failure table still holds.
+
+Each test reproduces one finding of the chaos harness (``tests/chaos``) with real workers,
+killed, segfaulted or made to raise, and checks what the caller sees.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from multienv import EnvError, MultiEnv, RestartPolicy
+from tests.envs import IncarnationEnv
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(90)]
+
+_BUDGET = RestartPolicy(max_restarts=1000, window_s=1)
+
+
+def kill(pid: int | None) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
+    except ProcessLookupError:
+        pass
+
+
+def restarted(infos, env_index: int) -> bool:
+    flags = infos.get("multienv", {}).get("_restarted")
+    return flags is not None and bool(flags[env_index])
+
+
+@pytest.mark.parametrize("mode", ["NextStep", "SameStep"])
+def test_a_respawned_worker_killed_before_the_next_step_returns_no_stale_result(mode):
+    """A worker killed mid-step, then its respawn killed before the next step.
+
+    The next step is a flagged truncation or the fresh env's reset, never the dead
+    instance's old shared memory (its status once matched the round's seq).
+    """
+    fns = [functools.partial(IncarnationEnv, step_sleep_s=0.15 * i) for i in range(2)]
+    with MultiEnv(fns, autoreset_mode=mode, step_timeout=5, restart_policy=_BUDGET) as envs:
+        envs.reset(seed=0)
+        actions = np.zeros(2, np.int64)
+        for _ in range(6):
+            last = envs.step(actions)
+            timer = threading.Timer(0.05, kill, (envs.envs[1].pid,))
+            timer.start()
+            first = envs.step(actions)
+            timer.join()
+            assert restarted(first[4], 1) and first[3][1] and not first[2][1]
+            kill(envs.envs[1].pid)
+            obs, rewards, terminated, truncated, infos = envs.step(actions)
+            is_fresh = obs[1][0] == 0 and obs[1][1] == 0 and obs[1][2] != last[0][1][2]
+            is_flagged = restarted(infos, 1) and truncated[1] and not terminated[1]
+            assert is_flagged or (is_fresh and rewards[1] == 0 and not terminated[1]), (
+                f"stale result: {obs[1].tolist()} reward {rewards[1]}, terminated "
+                f"{terminated[1]}, after {last[0][1].tolist()}"
+            )
+
+
+@pytest.mark.parametrize("after_a_kill", [False, True])
+def test_a_death_in_a_masked_reset_returns_the_replayed_reset(tmp_path, after_a_kill):
+    """A worker that segfaults in a data-plane reset: the reset returns the fresh env's."""
+    marker = str(tmp_path / "segfault-in-reset")
+    open(marker, "w").close()  # disarmed
+    fns = [
+        functools.partial(IncarnationEnv, step_sleep_s=0.15, marker=marker),
+        IncarnationEnv,
+    ]
+    mask = np.array([True, False])
+    with MultiEnv(fns, step_timeout=5, reset_timeout=5, restart_policy=_BUDGET) as envs:
+        envs.reset(seed=0)
+        actions = np.zeros(2, np.int64)
+        for _ in range(4):
+            before = envs.step(actions)[0][0].tolist()
+            if after_a_kill:
+                timer = threading.Timer(0.05, kill, (envs.envs[0].pid,))
+                timer.start()
+                before = envs.step(actions)[0][0].tolist()
+                timer.join()
+            os.unlink(marker)  # armed: the next reset of env 0 segfaults
+            obs, _ = envs.reset(options={"reset_mask": mask})
+            assert os.path.exists(marker)
+            got = obs[0].tolist()
+            assert got[:2] == [0, 0] and got[2] != before[2], f"{before} -> {got}"
