@@ -87,3 +87,45 @@ def test_a_death_in_a_masked_reset_returns_the_replayed_reset(tmp_path, after_a_
             assert os.path.exists(marker)
             got = obs[0].tolist()
             assert got[:2] == [0, 0] and got[2] != before[2], f"{before} -> {got}"
+
+
+@pytest.mark.parametrize("as_list", [False, True])  # data plane, general path
+def test_step_wait_that_raises_an_env_error_leaves_nothing_pending(tmp_path, as_list):
+    marker = str(tmp_path / "raise")
+    open(marker, "w").close()
+    fns = [functools.partial(IncarnationEnv, raise_marker=marker)] * 2
+    with MultiEnv(fns) as envs:
+        envs.reset(seed=0)
+        actions = [0, 0] if as_list else np.zeros(2, np.int64)
+        envs.step_async(actions)
+        envs.step_wait(timeout=10)
+        os.unlink(marker)  # one of the two envs raises in the next step
+        envs.step_async(actions)
+        with pytest.raises(EnvError) as raised:
+            envs.step_wait(timeout=10)
+        (failed,) = raised.value.failed_env_ids
+        assert raised.value.env_index == failed
+        with pytest.raises(Exception, match="without any prior call"):
+            envs.step_wait(timeout=1)
+        obs = envs.step(actions)[0]  # neither refused nor a batch of a step never sent
+        assert obs[1 - failed][1] == 3 and obs[failed][1] == 2
+        envs.reset()
+
+
+@pytest.mark.parametrize("seed", [None, 0])  # data plane, general path
+def test_reset_wait_that_raises_an_env_error_leaves_nothing_pending(tmp_path, seed):
+    marker = str(tmp_path / "raise")
+    open(marker, "w").close()
+    fns = [functools.partial(IncarnationEnv, reset_raise_marker=marker)] * 2
+    with MultiEnv(fns) as envs:
+        envs.reset(seed=0)
+        envs.step(np.zeros(2, np.int64))
+        os.unlink(marker)
+        envs.reset_async(seed=seed)
+        with pytest.raises(EnvError):
+            envs.reset_wait(timeout=10)
+        with pytest.raises(Exception, match="without any prior call"):
+            envs.reset_wait(timeout=1)
+        obs, _ = envs.reset()
+        assert (obs[:, 0] == 0).all()
+        envs.step(np.zeros(2, np.int64))

@@ -297,7 +297,15 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
             )
         plane = self._data_plane
         if not self._pending and plane is not None and plane.is_in_flight():
-            batch = self._receive_planned(plane, timeout)  # timed by the data plane
+            try:
+                batch = self._receive_planned(plane, timeout)  # timed by the data plane
+            except WaitTimeoutError:
+                raise  # still in flight: step_wait() again
+            except BaseException:
+                # Collected (an env's EnvError, as the general path raises it) or handed
+                # to the supervisors (Ctrl-C), who drop it before the next call: none pending.
+                self._pending = None
+                raise
             self._pending = None
             return batch
         return self._wait_for_pool(timeout)

@@ -109,7 +109,13 @@ class ResetApi:
         futures, mask = self._pending_reset
         plane = self._data_plane
         if not futures and plane is not None and plane.is_in_flight():
-            reset = self._receive_reset(plane, mask, timeout)
+            try:
+                reset = self._receive_reset(plane, mask, timeout)
+            except WaitTimeoutError:
+                raise  # still in flight: reset_wait() again
+            except BaseException:
+                self._pending_reset = None  # collected, or handed over (as step_wait)
+                raise
             self._pending_reset = None
             return reset
         outcome = collect_slices(futures, timeout, "reset")
