@@ -129,3 +129,75 @@ def test_reset_wait_that_raises_an_env_error_leaves_nothing_pending(tmp_path, se
         obs, _ = envs.reset()
         assert (obs[:, 0] == 0).all()
         envs.step(np.zeros(2, np.int64))
+
+
+def _raisers(tmp_path, n, raising):
+    """Factories of n envs; those in ``raising`` raise in their next step once armed."""
+    markers = {}
+    fns = []
+    for i in range(n):
+        marker = None
+        if i in raising:
+            marker = markers[i] = str(tmp_path / f"raise-{i}")
+            open(marker, "w").close()
+        fns.append(functools.partial(IncarnationEnv, raise_marker=marker))
+    return fns, markers
+
+
+def _recv_all(envs, timeout=20):
+    """recv() until nothing is in flight: the env ids returned, and those an EnvError named."""
+    returned, named = [], []
+    while envs._in_flight.is_busy():
+        try:
+            returned += envs.recv(timeout=timeout)[4]["env_id"].tolist()
+        except EnvError as error:
+            named.append(error.env_index)
+    return sorted(returned), named
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_every_env_that_raises_in_one_recv_is_named_by_an_env_error(tmp_path, k):
+    """Two envs raise in one send/recv round: each gets its EnvError, none hangs recv()."""
+    fns, markers = _raisers(tmp_path, 4, {0, 1})
+    with MultiEnv(fns, envs_per_worker=k) as envs:
+        envs.reset(seed=0)
+        for _ in range(5):
+            for marker in markers.values():
+                os.unlink(marker)
+            envs.send(np.zeros(4, np.int64))
+            returned, named = _recv_all(envs)
+            assert named == [0, 1]  # one EnvError each, lowest env first
+            assert returned == [2, 3]
+
+
+def test_an_env_that_raised_in_a_partial_send_is_never_returned_later(tmp_path):
+    """A send of part of a worker's envs (the general path): the env that raised is named,
+    and is neither returned nor kept in flight afterwards."""
+    fns, markers = _raisers(tmp_path, 6, {2})
+    with MultiEnv(fns, envs_per_worker=3) as envs:
+        envs.reset(seed=0)
+        os.unlink(markers[2])
+        envs.send(np.zeros(2, np.int64), [2, 3])
+        with pytest.raises(EnvError) as raised:
+            envs.recv(batch_size=2, timeout=20)
+        assert raised.value.env_index == 2
+        assert envs._in_flight.env_ids() == [3]
+        obs, *_, infos = envs.recv(timeout=20)
+        assert infos["env_id"].tolist() == [3] and obs[0][1] == 1
+        envs.send(np.zeros(1, np.int64), [3])
+        assert envs.recv(timeout=20)[4]["env_id"].tolist() == [3]
+
+
+def test_an_env_error_in_recv_gets_no_healthy_worker_killed(tmp_path):
+    """With step_timeout set, the other workers of a recv that raises are collected as they
+    answered, not waited on until their deadline and killed as timed out."""
+    fns, markers = _raisers(tmp_path, 8, {3})
+    with MultiEnv(fns, envs_per_worker=2, step_timeout=2.0, restart_policy=_BUDGET) as envs:
+        envs.reset(seed=0)
+        for _ in range(8):
+            os.unlink(markers[3])
+            envs.send(np.zeros(8, np.int64))
+            returned, named = _recv_all(envs)
+            assert named == [3] and len(returned) == 7
+            envs.step(np.zeros(8, np.int64))
+        assert [env["restarts"] for env in envs.stats()] == [0] * 8

@@ -361,6 +361,8 @@ def test_an_env_error_on_the_parts_plane_is_raised_and_the_other_steps_are_kept(
         send_warm(envs, ones)
         with pytest.raises(EnvError, match="env 2: step\\(\\) raised ValueError"):
             envs.recv()
+        with pytest.raises(EnvError, match="env 3: step\\(\\) raised ValueError"):
+            envs.recv()  # every env that raised is named, each by one recv
         obs, rewards, *_, infos = envs.recv()  # the envs that stepped
         assert infos["env_id"].tolist() == [0, 1]
         assert rewards.tolist() == [1.0, 1.0]

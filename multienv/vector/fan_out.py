@@ -133,7 +133,17 @@ def finish(group: WorkerGroup) -> Collected:
         return None, dict.fromkeys(group.env_ids, exc)
     if not errors:  # the usual case, on every step of every worker
         return result, {}
-    return result, {group.env_ids[item]: error for item, error in errors.items()}
+    # By the env each error names: a batch of some of the worker's envs (send/recv) has
+    # its items in another order than the group's envs.
+    return result, {_env_of(group, item, error): error for item, error in errors.items()}
+
+
+def _env_of(group: WorkerGroup, item: int, error: BaseException) -> int:
+    """The vector's index of the env whose error this is (item ``item`` of its batch)."""
+    env_index = getattr(error, "env_index", None)
+    if isinstance(env_index, int) and env_index in group.position_of:
+        return env_index
+    return group.env_ids[item]
 
 
 def submit(group: WorkerGroup, order: Batch | StepPlan | None) -> bool:

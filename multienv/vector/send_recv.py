@@ -12,6 +12,7 @@ here, the parts plane's workers handed over to it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,10 +24,12 @@ from multienv.errors import EnvStateError, WaitTimeoutError
 from multienv.supervision.handles import PartsPlane
 from multienv.vector import vector_checks
 from multienv.vector.assembly import Assembly, StepBatch
-from multienv.vector.fan_out import FanOut, finish, raise_first
+from multienv.vector.fan_out import FanOut, finish
 from multienv.vector.timing import CallClock, clocked
 from multienv.wire.autoreset import Autoreset
 from multienv.wire.protocol import Batch, StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 class SendRecvApi:
@@ -119,17 +122,20 @@ class InFlight:
         self._flying: dict[int, list[int]] = {}  # by worker number: the envs it steps
         self._received: dict[int, tuple[Any, ...]] = {}  # by env: collected, not returned
         self._plans: dict[int, StepPlan] = {}  # by worker number: a part handed over
+        # By env: its step raised; each ``recv`` raises one (lowest env first), so that
+        # every env that raised is named by an ``EnvError``. Counted in flight till then.
+        self._failed: dict[int, BaseException] = {}
         self.parts: PartsPlane | None = None
 
     def is_busy(self) -> bool:
         """Whether any env is in flight, or collected and not yet returned."""
-        return bool(self._flying or self._received) or (
+        return bool(self._flying or self._received or self._failed) or (
             self.parts is not None and self.parts.is_busy()
         )
 
     def env_ids(self) -> list[int]:
         """Every env in flight or collected and not yet returned, ascending."""
-        ids = [*self._received, *(i for ids in self._flying.values() for i in ids)]
+        ids = [*self._received, *self._failed, *(i for ids in self._flying.values() for i in ids)]
         if self.parts is not None:
             ids += self.parts.env_ids()
         return sorted(ids)
@@ -144,9 +150,8 @@ class InFlight:
         parts = self.parts
         if parts is None or self._flying:
             return False
-        if self._received and (
-            env_ids is None or not self._received.keys().isdisjoint(np.ravel(env_ids).tolist())
-        ):
+        kept = self._received.keys() | self._failed.keys()
+        if kept and (env_ids is None or not kept.isdisjoint(np.ravel(env_ids).tolist())):
             return False  # the vector's checks say which env is in flight
         if parts.send(actions, env_ids):
             return True
@@ -190,10 +195,22 @@ class InFlight:
             )
         return errors
 
-    @staticmethod
-    def _raise_first(errors: dict[int, BaseException]) -> None:
-        if errors:
-            raise_first(errors)
+    def _raise_first(self, errors: dict[int, BaseException]) -> None:
+        """Keep ``errors`` (by env) to raise, and raise the lowest env's kept error, if any.
+
+        Each error is raised once: the envs of one error (a worker's crash loop) go with it.
+        The others stay in flight, and the next ``recv`` calls raise them one by one.
+        """
+        failed = self._failed
+        failed.update(errors)
+        if not failed:
+            return
+        error = failed[min(failed)]
+        for env_index in [i for i, other in failed.items() if other is error]:
+            del failed[env_index]
+        if failed:
+            logger.debug("envs %s raised too; the next recv() raises theirs", sorted(failed))
+        raise error
 
     def send(self, ids: list[int], actions: Any) -> None:
         """Submit each worker's share of ``ids`` (checked, none in flight) as one batch."""
@@ -223,7 +240,8 @@ class InFlight:
     def recv(self, batch_size: int | None, timeout: float | None) -> StepBatch:
         """The first ``batch_size`` envs to finish (all in flight when None), ascending."""
         parts = self.parts
-        in_flight = len(self._received) + sum(len(ids) for ids in self._flying.values())
+        in_flight = len(self._received) + len(self._failed)
+        in_flight += sum(len(ids) for ids in self._flying.values())
         if parts is not None:
             in_flight += parts.num_busy()
         if not in_flight:
@@ -234,6 +252,7 @@ class InFlight:
                 f"recv(batch_size={batch_size!r}) with {in_flight} envs in flight; pass a "
                 f"batch_size from 1 to {in_flight}, or None for all."
             )
+        self._raise_first({})  # an env's error from an earlier call, before anything else
         deadline = None if timeout is None else time.monotonic() + timeout
         if parts is not None and parts.is_busy():
             if not self._received and not self._flying:
@@ -263,8 +282,7 @@ class InFlight:
             groups = self._fan_out.groups
             collected = {flying[k]: finish(groups[flying[k]]) for k in ready}
             errors = self._assembly.receive(collected, self._flying, self._received, self._plans)
-            if errors:
-                raise_first(errors)
+            self._raise_first(errors)
         ids = sorted(list(self._received)[:size])
         rows = [self._received.pop(env_index) for env_index in ids]
         return self._assembly.partial_batch(ids, rows)

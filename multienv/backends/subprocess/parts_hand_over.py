@@ -133,13 +133,20 @@ class PartsHandOver:
             self._flying[number] = self._done[number] = False
         numbers = np.flatnonzero(self._flying | self._done).tolist()
         seqs = self._seqs.tolist()
+        done = self._shared.done
         answered = b"".join(
             DONE_RECORD.pack(number, seqs[number], DONE_OK)
             for number in np.flatnonzero(self._done).tolist()
         )
+        # A flying worker whose record a supervisor's wait read already (it drains every
+        # record of the slice) keeps it: forgotten, its supervisor would wait for ever.
+        answered += b"".join(
+            DONE_RECORD.pack(number, seqs[number], done.done_kind[number])
+            for number in np.flatnonzero(self._flying).tolist()
+            if done.done_seq[number] == seqs[number]
+        )
         counted = [number for number in numbers if self._counted[number]]
         self._forget_workers()
-        done = self._shared.done
         done.forget_records()
         if numbers:
             plan = self._plan()
