@@ -10,6 +10,7 @@ import functools
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -201,3 +202,25 @@ def test_an_env_error_in_recv_gets_no_healthy_worker_killed(tmp_path):
             assert named == [3] and len(returned) == 7
             envs.step(np.zeros(8, np.int64))
         assert [env["restarts"] for env in envs.stats()] == [0] * 8
+
+
+@pytest.mark.parametrize("path", ["data plane", "general path", "send/recv"])
+def test_a_hung_step_is_killed_after_one_step_timeout_on_every_path(path):
+    """The deadline counts from the send: a hand-over gives the hung worker no second one."""
+    from tests.envs import CountingEnv, HangOnStep
+
+    fns = [functools.partial(HangOnStep, at_count=3), CountingEnv]
+    with MultiEnv(fns, step_timeout=1.0, restart_policy=_BUDGET) as envs:
+        envs.reset(seed=0)
+        actions = np.zeros(2, np.int64)
+        for _ in range(2):
+            envs.step(actions)
+        began = time.monotonic()
+        if path == "send/recv":
+            envs.send(actions)
+            _, _, _, truncated, infos = envs.recv(timeout=30)  # env 0 is row 0: ascending
+        else:
+            _, _, _, truncated, infos = envs.step([0, 0] if path == "general path" else actions)
+        took = time.monotonic() - began
+        assert truncated[0] and restarted(infos, 0)
+        assert 1.0 <= took < 1.8, f"the hung step came back after {took:.2f} s"

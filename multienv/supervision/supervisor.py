@@ -333,6 +333,8 @@ class WorkerSupervisor:
         """
         self.changes[0] += 1
         deadline = planned_deadline(plan, env_slice, self._timeouts)
+        if deadline is not None:  # counted from the send (``perf_counter``), not from now:
+            deadline -= time.perf_counter() - sent_at  # a hand-over gives it no second budget
         pending = self._planned  # reused: this runs for every worker on every step
         pending.batch = pending.sent = None
         pending.plan, pending.plan_slice, pending.deadline = plan, env_slice, deadline
