@@ -224,3 +224,34 @@ def test_a_hung_step_is_killed_after_one_step_timeout_on_every_path(path):
         took = time.monotonic() - began
         assert truncated[0] and restarted(infos, 0)
         assert 1.0 <= took < 1.8, f"the hung step came back after {took:.2f} s"
+
+
+@pytest.mark.parametrize("path", ["data plane", "general path", "send/recv"])
+def test_an_autoreset_whose_reset_raised_is_tried_again_on_the_next_step(tmp_path, path):
+    """Next-step autoreset: the reset raises (EnvError); the next step resets the env
+    again, as SyncVectorEnv does, rather than stepping on from the ended episode."""
+    marker = str(tmp_path / "reset-raise")
+    open(marker, "w").close()
+    fns = [functools.partial(IncarnationEnv, episode_length=2, reset_raise_marker=marker)] * 2
+
+    def step(envs, actions):
+        if path != "send/recv":
+            return envs.step(actions.tolist() if path == "general path" else actions)
+        envs.send(actions)
+        try:
+            return envs.recv(timeout=20)
+        finally:
+            while envs._in_flight.is_busy():  # the env that did not raise
+                envs.recv(timeout=20)
+
+    with MultiEnv(fns, envs_per_worker=1 if path == "send/recv" else 2) as envs:
+        envs.reset(seed=0)
+        actions = np.zeros(2, np.int64)
+        step(envs, actions)
+        assert step(envs, actions)[2].all()  # both episodes ended
+        os.unlink(marker)  # one of the two autoresets raises
+        with pytest.raises(EnvError, match="reset"):
+            step(envs, actions)
+        obs, rewards, terminated, *_ = step(envs, actions)
+        assert obs[:, 0].tolist() in ([0, 1], [1, 0]), obs  # the env that raised: reset
+        assert rewards[obs[:, 0] == 0].tolist() == [0.0]

@@ -148,6 +148,9 @@ class Assembly:
         pickled: dict[int, dict[str, Any]] = {}  # infos that came through the pipe, by env
         errors: dict[int, BaseException] = {}
         autoreset = self.autoreset
+        # An env that raised is as it was: one whose autoreset's reset raised still needs
+        # it (as in SyncVectorEnv), so the step is not taken from the ended episode.
+        resets_before = autoreset.needs_reset.copy()
         clean = [
             n
             for n, (result, group_errors) in outcome.items()
@@ -186,7 +189,7 @@ class Assembly:
         if errors:
             failed = np.array(sorted(errors))
             rewards[failed], terminations[failed], truncations[failed] = 0.0, False, False
-            autoreset.after_step(failed, terminations[failed], truncations[failed])
+            autoreset.after_episodes(failed, resets_before[failed])
         batch = self.observations(), rewards.copy(), terminations.copy(), truncations.copy(), infos
         return batch, errors
 
@@ -215,7 +218,10 @@ class Assembly:
                 if plan is not None and not group_errors:  # all of it in shared memory
                     self._receive_part(plan, ids, received)
                 continue
+            failed = [env_index for env_index in ids if env_index in group_errors]
+            resets_before = self.autoreset.needs_reset[failed].copy()
             self.autoreset.after_step(ids, result.terminated, result.truncated)
+            self.autoreset.after_episodes(failed, resets_before)  # as it was (``step_batch``)
             rows = self._row_infos(ids) if result.info_columns else {}
             for item, env_index in enumerate(ids):
                 if env_index in group_errors:
