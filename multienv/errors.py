@@ -83,11 +83,13 @@ class EnvError(MultiEnvError):
     Raised by ``MultiEnv.step`` / ``step_wait``, it carries the step's other results, since
     the other envs did step: ``results`` is the usual ``(obs, rewards, terminations,
     truncations, infos)`` of the whole batch, and ``failed_env_ids`` the envs that raised
-    (their entries hold the observation they were on, reward 0 and no flags). Otherwise
-    both are None.
+    (their entries hold the observation they were on, reward 0 and no flags). Raised by
+    ``MultiEnv.reset`` / ``reset_wait``, ``results`` is the reset's ``(obs, infos)``, the
+    other envs reset. From ``recv``, each env that raised gets an ``EnvError`` of its own,
+    one per ``recv`` call. Otherwise both are None.
     """
 
-    results: tuple[Any, Any, Any, Any, dict[str, Any]] | None = None
+    results: tuple[Any, ...] | None = None
     failed_env_ids: list[int] | None = None
 
 

@@ -255,3 +255,45 @@ def test_an_autoreset_whose_reset_raised_is_tried_again_on_the_next_step(tmp_pat
         obs, rewards, terminated, *_ = step(envs, actions)
         assert obs[:, 0].tolist() in ([0, 1], [1, 0]), obs  # the env that raised: reset
         assert rewards[obs[:, 0] == 0].tolist() == [0.0]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_masked_reset_in_which_envs_raise_names_them_all_and_leaves_no_reply_behind(tmp_path, k):
+    """Two envs raise in one data-plane reset: one EnvError names both (``failed_env_ids``)
+    and carries the others' reset; no reply is left on a pipe for a later call to read (the
+    round once read a worker's stale status as its answer: calls then went one off)."""
+    markers = [str(tmp_path / f"reset-raise-{i}") for i in range(4)]
+    fns = [
+        functools.partial(IncarnationEnv, reset_raise_marker=m, step_sleep_s=0.1 * (i == 1))
+        for i, m in enumerate(markers)
+    ]
+    for marker in markers:
+        open(marker, "w").close()
+    mask = np.array([True, True, True, False])
+    with MultiEnv(fns, envs_per_worker=k, restart_policy=_BUDGET) as envs:
+        envs.reset(seed=0)
+        actions = np.zeros(4, np.int64)
+        for round_number in range(6):
+            envs.step(actions)
+            envs.get_attr("t")  # a call: the data plane checks its workers anew
+            last = envs.step(actions)[0]
+            if round_number % 2:  # a death mid-step leaves its worker's status behind
+                timer = threading.Timer(0.03, kill, (envs.envs[1].pid,))
+                timer.start()
+                truncated = envs.step(actions)[3]
+                timer.join()
+                assert truncated[1]
+                envs.reset()
+                envs.get_attr("t")
+                last = envs.step(actions)[0]
+            os.unlink(markers[0])
+            os.unlink(markers[1])
+            with pytest.raises(EnvError) as raised:
+                envs.reset(options={"reset_mask": mask})
+            assert raised.value.failed_env_ids == [0, 1]
+            obs, _ = raised.value.results
+            assert obs[2][0] == 0 and obs[3].tolist() == last[3].tolist()
+            # Each env answers its own call: no reply of the reset is left on a pipe.
+            assert list(envs.get_attr("incarnation")) == obs[:, 2].tolist()
+            assert envs.get_attr("t")[2:] == (0, last[3][0])
+            envs.reset()

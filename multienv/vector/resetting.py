@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 
-from multienv.errors import NoPendingCallError, WaitTimeoutError
+from multienv.errors import EnvError, NoPendingCallError, WaitTimeoutError
 from multienv.supervision.handles import DataPlane
 from multienv.vector import vector_checks
 from multienv.vector.assembly import Assembly
@@ -165,5 +165,8 @@ class ResetApi:
         """The reset's batched observations and infos; raises the lowest env's error, if any."""
         observations, infos, errors = self._assembly.reset_batch(outcome, self._groups, mask, plan)
         if errors:
+            for error in errors.values():  # the other envs did reset: their results go along
+                if isinstance(error, EnvError):
+                    error.results, error.failed_env_ids = (observations, infos), sorted(errors)
             raise_first(errors)
         return observations, infos
