@@ -252,7 +252,8 @@ class InFlight:
                 f"recv(batch_size={batch_size!r}) with {in_flight} envs in flight; pass a "
                 f"batch_size from 1 to {in_flight}, or None for all."
             )
-        self._raise_first({})  # an env's error from an earlier call, before anything else
+        if self._failed:
+            self._raise_first({})  # an env's error from an earlier call, before anything else
         deadline = None if timeout is None else time.monotonic() + timeout
         if parts is not None and parts.is_busy():
             if not self._received and not self._flying:
