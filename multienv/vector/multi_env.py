@@ -291,6 +291,8 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
             timeout: Seconds to wait; on expiry ``TimeoutError`` is raised and the step stays
                 in flight, so ``step_wait()`` may be called again.
         """
+        if self.closed:
+            raise ClosedEnvironmentError("MultiEnv.step_wait() called after close().")
         if self._pending is None:
             raise NoPendingCallError(
                 "Calling `step_wait` without any prior call to `step_async`.", "step"
@@ -320,15 +322,15 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
 
     def render(self) -> tuple[Any, ...]:
         """Return every env's ``render()`` result."""
-        return self._map(lambda i: self.envs[i].render())
+        return self._map(lambda i: self.envs[i].render(), "render")
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call method ``name`` on every env (or read the attribute, if not callable)."""
-        return self._map(lambda i: self.envs[i].call(name, *args, **kwargs))
+        return self._map(lambda i: self.envs[i].call(name, *args, **kwargs), "call")
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
         """Return attribute ``name`` of every env."""
-        return self._map(lambda i: self.envs[i].get_attr(name))
+        return self._map(lambda i: self.envs[i].get_attr(name), "get_attr")
 
     def set_attr(self, name: str, values: Any) -> None:
         """Set attribute ``name`` on every env: one value for all, or a list with one per env."""
@@ -339,7 +341,7 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
                 f"set_attr({name!r}) got {len(values)} values for {self.num_envs} envs; pass "
                 "one value per env, or a single value for all."
             )
-        self._map(lambda i: self.envs[i].set_attr(name, values[i]))
+        self._map(lambda i: self.envs[i].set_attr(name, values[i]), "set_attr")
 
     @property  # a tuple, as AsyncVectorEnv reports it
     def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -482,8 +484,9 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
         obs, reset_info = proxy.reset()
         return final_obs, obs, reset_info
 
-    def _map(self, call: Callable[[int], Any]) -> tuple[Any, ...]:
-        self._check_idle("call")
+    def _map(self, call: Callable[[int], Any], name: str) -> tuple[Any, ...]:
+        """Run ``call(env_index)`` for every env, as the vector's method ``name``."""
+        self._check_idle(name)
         results, errors = self._fan_out.map(call, self.num_envs)
         if errors:
             raise_first(errors)

@@ -50,7 +50,7 @@ class PlanningApi:
         _autoreset: Autoreset
         _groups: list[WorkerGroup]
 
-        def _map(self, call: Callable[[int], Any]) -> tuple[Any, ...]: ...
+        def _map(self, call: Callable[[int], Any], name: str) -> tuple[Any, ...]: ...
 
         def _check_idle(self, name: str) -> None: ...
 
@@ -63,7 +63,7 @@ class PlanningApi:
         included (time limit counters, RNG), so restoring it and stepping it again gives the
         same results.
         """
-        return list(self._map(lambda i: self.envs[i].get_state()))
+        return list(self._map(lambda i: self.envs[i].get_state(), "get_states"))
 
     def set_states(self, states: Sequence[Any]) -> None:
         """Restore one state per env; each goes on mid-episode from there.
@@ -78,8 +78,9 @@ class PlanningApi:
                 ``set_state``); raised before anything is sent. A value the env's own
                 ``set_state`` refuses raises ``EnvError`` naming the env.
         """
+        self._check_idle("set_states")  # (before the states are checked against the envs)
         checked = check_set_states(self, states)
-        self._map(lambda i: self.envs[i].set_state(checked[i]))
+        self._map(lambda i: self.envs[i].set_state(checked[i]), "set_states")
         self._autoreset.after_reset(np.arange(self.num_envs))
 
     def sync_states(self, state: Any) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
+from gymnasium.error import ClosedEnvironmentError
 
 from multienv.supervision.handles import SharedMemoryLink
 from multienv.supervision.worker_stats import LatencyRing
@@ -131,6 +132,7 @@ class TimingApi:
     """The methods that report a vector's steps and time; ``MultiEnv`` inherits them."""
 
     if TYPE_CHECKING:  # what they use of the vector
+        closed: bool
         envs: list[Any]
         _groups: list[WorkerGroup]
         _link: Any
@@ -139,7 +141,8 @@ class TimingApi:
     def stats(self) -> list[dict[str, Any]]:
         """Per env: steps, episodes, restarts, recycles, last failure cause, latency p50/p99 (s).
 
-        The latency is the round trip of the step's batch to the env's worker.
+        The latency is the round trip of the step's batch to the env's worker. It can be
+        read after ``close()`` too: a run's final counts.
         """
         return [
             {"env_index": env_index, **proxy.supervisor.stats.row(proxy.position)}
@@ -177,6 +180,8 @@ class TimingApi:
             batches in shared memory, without the round trip (NaN where there are none);
             and its ``restarts``, ``recycles`` and ``lost_s``.
         """
+        if self.closed:  # its workers' batch times went with the shared memory
+            raise ClosedEnvironmentError("MultiEnv.timing() called after close().")
         groups = self._groups
         link = self._link if isinstance(self._link, SharedMemoryLink) else None
         times = None if link is None else [link.batch_times(n) for n in range(len(groups))]

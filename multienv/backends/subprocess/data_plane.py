@@ -434,14 +434,16 @@ class DataPlane:
         if not self._autoreset.is_started:  # the general path says which env needs a reset
             return False
         self._flush_counts()
-        fds = plane_fds(self._supervisors)
+        fds = plane_fds(self._supervisors)  # None once closed: the shared memory is gone
+        if fds is None:
+            return False
         # One seq for every worker from now on: one that none of them was just sent, and
         # none of their statuses holds. A worker that dies before it answers leaves its
         # status as it was: a round under that seq would read it as answered, with the
         # dead worker's old results (``hand_over_round``).
         used = set(self._seqs.tolist()) | set(self._status.tolist())
         free = [seq for seq in range(1, 256) if seq % 255 + 1 not in used]
-        if fds is None or not free:  # (255 workers or more: the general path numbers each)
+        if not free:  # (128 workers or more, all apart: the general path numbers each)
             return False
         self._seq = free[0]
         wake_fds, sentinels, spin_s = fds
