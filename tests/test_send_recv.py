@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode
 
-from multienv import EnvStateError
+from multienv import EnvStateError, MultiEnv
 from multienv.errors import WaitTimeoutError
 from multienv.vector.assembly import Assembly
 from multienv.vector.fan_out import group_by_worker
 from multienv.vector.send_recv import InFlight
 from multienv.wire.autoreset import Autoreset
 from multienv.wire.protocol import BatchResult, StepPlan
+from tests.envs import CountingEnv
 
 OBS = gym.spaces.Box(-100.0, 100.0, (1,), np.float32)
 
@@ -153,3 +154,34 @@ def test_what_the_parts_plane_declines_goes_the_general_way_with_what_it_had():
         in_flight.send([0], np.array([1]))
     in_flight.send([1], np.array([2]))
     assert in_flight.env_ids() == [0, 1]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_step_reset_and_call_refuse_while_envs_are_in_flight_and_the_advice_works(k):
+    """send() then step() before recv(): refused (the data plane once stepped anyway);
+    recv() until none is left, as the refusal says, returns every env in flight."""
+    with MultiEnv([CountingEnv] * 8, envs_per_worker=k) as envs:
+        envs.reset(seed=0)
+        actions = np.zeros(8, dtype=np.int64)
+        envs.send(actions)
+        for name, call in [
+            ("step", lambda: envs.step(actions)),
+            ("reset", envs.reset),
+            ("call", lambda: envs.call("add", 1)),
+        ]:
+            with pytest.raises(EnvStateError, match=f"{name}\\(\\) called while envs .* in flight"):
+                call()
+        for _ in range(4):  # the EnvPool loop, then the refusal's advice
+            infos = envs.recv(batch_size=4, timeout=10)[4]
+            envs.send(np.zeros(4, dtype=np.int64), infos["env_id"])
+        with pytest.raises(EnvStateError, match="call recv\\(\\) until none is left"):
+            envs.step(actions)
+        returned = []
+        while True:
+            try:
+                returned += envs.recv(timeout=10)[4]["env_id"].tolist()
+            except EnvStateError as error:
+                assert "no env in flight" in str(error)
+                break
+        assert sorted(returned) == list(range(8))
+        assert envs.step(actions)[0].shape == (8, 1)

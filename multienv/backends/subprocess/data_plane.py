@@ -433,6 +433,8 @@ class DataPlane:
         """Check every worker can take a planned step as sent here; cache their fds."""
         if not self._autoreset.is_started:  # the general path says which env needs a reset
             return False
+        if self.parts is not None and self.parts.is_busy():
+            return False  # send() has envs in flight: the vector's checks refuse the step
         self._flush_counts()
         fds = plane_fds(self._supervisors)  # None once closed: the shared memory is gone
         if fds is None:
