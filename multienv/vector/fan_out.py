@@ -197,9 +197,14 @@ def collect_slices(futures: list[Future[ByWorker]], timeout: float | None, name:
 def raise_first(errors: dict[int, BaseException]) -> None:
     """Raise the lowest env index's error, after logging the others."""
     first, *others = sorted(errors)
-    for env_index in others:
-        logger.error("env %d: failed too: %s", env_index, errors[env_index])
+    for env_index in others:  # its first line: a crash loop's was logged whole already
+        logger.error("env %d: failed too: %s", env_index, _first_line(errors[env_index]))
     raise errors[first]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.split("\n", 1)[0] if text else type(error).__name__
 
 
 @dataclasses.dataclass

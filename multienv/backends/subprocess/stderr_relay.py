@@ -5,6 +5,16 @@ One thread per process reads all those pipes (``selectors``), writes what it rea
 parent's own stderr, and keeps each worker's last lines for crash reports
 (``StderrPipe.tail``). It starts with the first worker. One thread per worker used to do
 this: starting 16 of them took 9-13 ms of a later vector's start-up, a fifth of it.
+
+It forwards whole lines, so that the output of workers writing at once never interleaves
+within a line. A worker's crash dump (``faulthandler``'s, from ``Fatal Python error:`` to
+the pipe's end) is written as one block when the worker is gone, and only the first
+``_DUMPS_SHOWN`` of the process are, each cut at ``_DUMP_LINES`` lines: a crash loop of
+many workers would otherwise bury its ``EnvCrashLoopError`` (which carries the worker's
+last lines anyway) under hundreds of dumps. ``MULTIENV_WORKER_STDERR`` chooses, read when
+each worker starts: ``limited`` (the default, as above), ``all`` (every line, every dump
+in full), ``off`` (nothing forwarded; the last lines are still kept), or a file path
+(everything appended to that file instead of stderr).
 """
 
 from __future__ import annotations
@@ -17,6 +27,11 @@ from collections import deque
 from multiprocessing.connection import Connection
 
 logger = logging.getLogger(__name__)
+
+_DUMP_START = b"Fatal Python error: "  # faulthandler's first line
+_DUMPS_SHOWN = 3  # crash dumps forwarded per process by default; the others held back
+_DUMP_LINES = 40  # lines of each forwarded dump
+SETTING = "MULTIENV_WORKER_STDERR"
 
 
 class StderrPipe:
@@ -32,6 +47,8 @@ class StderrPipe:
         self.tail: deque[str] = deque(maxlen=tail_lines)
         self._conn = conn
         self._partial = b""
+        self._dump: list[bytes] | None = None  # a crash dump being read, whole lines
+        self._setting = os.environ.get(SETTING, "limited").strip() or "limited"
         self._is_closed = threading.Event()
 
     def join(self, timeout: float | None = None) -> None:
@@ -39,27 +56,76 @@ class StderrPipe:
         self._is_closed.wait(timeout)
 
     def _read(self) -> bool:
-        """Forward what the pipe holds; False at EOF (then ``_close`` it)."""
+        """Forward what the pipe holds, by whole lines; False at EOF (then ``_close`` it)."""
         try:
             chunk = os.read(self._conn.fileno(), 65536)
         except OSError:
             chunk = b""
         if not chunk:
             return False
-        try:
-            os.write(2, chunk)
-        except OSError:
-            pass  # our own stderr is gone; keep collecting the tail
         *lines, self._partial = (self._partial + chunk).split(b"\n")
         self.tail.extend(line.decode(errors="replace") for line in lines)
+        self._forward(lines)
         return True
+
+    def _forward(self, lines: list[bytes]) -> None:
+        """Write these whole lines out, holding a crash dump back until the pipe's end."""
+        out = []
+        for line in lines:
+            if self._dump is None and line.startswith(_DUMP_START):
+                self._dump = []
+            if self._dump is None:
+                out.append(line + b"\n")
+            elif len(self._dump) <= _DUMP_LINES or self._setting == "all":
+                self._dump.append(line)
+        if out:
+            _write(self._setting, b"".join(out))
 
     def _close(self) -> None:
         if self._partial:
             self.tail.append(self._partial.decode(errors="replace"))
+            self._forward([self._partial])
             self._partial = b""
+        if self._dump is not None:
+            _write_dump(self._setting, self._dump)
+            self._dump = None
         self._conn.close()
         self._is_closed.set()
+
+
+_dumps = {"shown": 0, "held": 0}  # this process's crash dumps (one relay thread writes)
+
+
+def _write_dump(setting: str, dump: list[bytes]) -> None:
+    """Write one worker's crash dump as a block, if this process shows it; else count it."""
+    if setting == "limited" and _dumps["shown"] >= _DUMPS_SHOWN:
+        _dumps["held"] += 1
+        if _dumps["held"] == 1:
+            logger.warning(
+                "worker crash dumps after the first %d are held back (each worker's last "
+                "stderr lines still come with EnvCrashLoopError); set %s=all to see them all",
+                _DUMPS_SHOWN,
+                SETTING,
+            )
+        return
+    _dumps["shown"] += 1
+    if setting != "all" and len(dump) > _DUMP_LINES:
+        dump = dump[:_DUMP_LINES] + [b"  [crash dump cut at %d lines]" % _DUMP_LINES]
+    _write(setting, b"".join(line + b"\n" for line in dump))
+
+
+def _write(setting: str, data: bytes) -> None:
+    """Forward worker output as ``setting`` says: to our stderr, nowhere, or to a file."""
+    if setting == "off":
+        return
+    try:
+        if setting in ("limited", "all"):
+            os.write(2, data)
+        else:
+            with open(setting, "ab") as file:
+                file.write(data)
+    except OSError:
+        pass  # our own stderr (or the file) is gone; keep collecting the tail
 
 
 class _Relay:
