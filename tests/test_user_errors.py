@@ -159,7 +159,7 @@ def test_step_before_reset_is_refused_here_and_sends_nothing():
     with MultiEnv([CountingEnv] * 2) as envs:
         with pytest.raises(ResetNeeded, match=r"env 0: step\(\) before the env's first reset"):
             envs.step(np.zeros(2, dtype=np.int64))
-        with pytest.raises(EnvStateError) as caught:
+        with pytest.raises(EnvStateError, match=r"env 0: send\(\) before") as caught:
             envs.send(np.zeros(2, dtype=np.int64))
         assert caught.value.__cause__ is None  # ours, not a worker's traceback
         envs.reset(seed=0)
@@ -203,3 +203,14 @@ def test_a_failure_line_names_multienv_and_its_level_once(tmp_path, configured):
         assert died[0].startswith("WARNING multienv | env 1: worker pid")
     else:
         assert died[0].startswith("multienv WARNING: env 1: worker pid")
+
+
+def test_a_box_action_batch_of_the_wrong_shape_is_described_as_the_batch():
+    from tests.envs import BoxActionEnv
+
+    with MultiEnv([BoxActionEnv] * 2) as envs:
+        envs.reset(seed=0)
+        shape = envs.single_action_space.shape
+        with pytest.raises(ValueError, match=r"the action batch has shape \(2,\); expected"):
+            envs.step(np.zeros(2, dtype=np.float32))
+        assert shape != ()  # a batch of scalars is not one action per env here

@@ -13,8 +13,14 @@ BOX = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
 
 
 def test_unknown_options_are_refused_in_the_owners_name_listing_the_valid_ones():
-    with pytest.raises(TypeError, match=r"MultiEnv\(\) got .* \['stepp_timeout'\]; valid .*"):
+    with pytest.raises(
+        TypeError,
+        match=r"MultiEnv\(\) got .* \['stepp_timeout'\]; did you mean 'step_timeout' for "
+        r"'stepp_timeout'\? valid .*",
+    ):
         vector_checks.check_options("MultiEnv", {"stepp_timeout"}, {"step_timeout"})
+    with pytest.raises(TypeError, match=r"\['xyz'\]; valid options are"):  # no close match
+        vector_checks.check_options("MultiEnv", {"xyz"}, {"step_timeout"})
     vector_checks.check_options("MultiEnv", {"step_timeout"}, {"step_timeout", "wait"})
 
 

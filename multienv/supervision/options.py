@@ -10,6 +10,7 @@ where they enter it, into typed settings: ``SupervisorOptions`` here, for every 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -64,7 +65,13 @@ def check_options(owner: str, options: Collection[str], valid: Collection[str]) 
     """Refuse keyword options that ``owner`` does not take, in its own name, listing valid ones."""
     unknown = sorted(set(options) - set(valid))
     if unknown:
+        guesses = [
+            f"{close[0]!r} for {name!r}"
+            for name in unknown
+            if (close := difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.75))
+        ]
+        hint = f" did you mean {', '.join(guesses)}?" if guesses else ""
         raise TypeError(
-            f"{owner}() got unexpected keyword argument(s) {unknown}; valid options are "
-            f"{sorted(valid)}."
+            f"{owner}() got unexpected keyword argument(s) {unknown};{hint} valid options "
+            f"are {sorted(valid)}."
         )

@@ -423,7 +423,7 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
         self._check_idle(name)
         batch_actions = self._split_actions(actions, None)
         autoreset = self._autoreset
-        autoreset.check_can_step(slice(None))
+        autoreset.check_can_step(slice(None), name)
         resets = autoreset.resets(slice(None))
         is_same_step = autoreset.is_same_step
 

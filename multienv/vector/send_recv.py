@@ -78,7 +78,7 @@ class SendRecvApi:
             return  # whole workers, in one pass (``parts_plane``)
         ids = vector_checks.env_ids_to_send(env_ids, self.num_envs, self._in_flight.env_ids())
         batch_actions = self._split_actions(actions, ids)
-        self._autoreset.check_can_step(ids)
+        self._autoreset.check_can_step(ids, "send")
         self._in_flight.send(ids, batch_actions)
 
     @clocked

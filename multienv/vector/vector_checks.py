@@ -264,6 +264,12 @@ def _check_action_shapes(actions: Any, env_ids: Sequence[int], space: gym.Space[
             f"expected {n} actions (one per env, batch shape {(n, *(space.shape or ()))}), "
             f"got {count}."
         )
+    batch_shape = (n, *(space.shape or ()))
+    if isinstance(actions, np.ndarray) and actions.shape != batch_shape:  # the batch's shape
+        raise ValueError(
+            f"the action batch has shape {actions.shape}; expected {batch_shape} (one action "
+            f"of shape {space.shape} per env, single_action_space {space!r})."
+        )
     for position, env_index in enumerate(env_ids):
         shape = np.shape(actions[position])
         if shape != space.shape:

@@ -168,12 +168,15 @@ class Autoreset:
         """``needs_reset``'s array itself, not brought up to date (for its keeper)."""
         return self._needs_reset
 
-    def check_can_step(self, env_ids: Any) -> None:
-        """Raise before anything is sent if stepping these envs now is misuse."""
+    def check_can_step(self, env_ids: Any, name: str = "step") -> None:
+        """Raise before anything is sent if stepping these envs now is misuse.
+
+        ``name``: the caller's method, named in the message (``step``, ``send``, ...).
+        """
         never = None if self.is_started else _first_set(self._never_reset, env_ids)
         if never is not None:
             raise ResetNeededError(
-                f"env {never}: step() before the env's first reset(); call "
+                f"env {never}: {name}() before the env's first reset(); call "
                 "envs.reset(seed=...) first.",
                 env_index=never,
             )
@@ -182,7 +185,7 @@ class Autoreset:
         )
         if ended is not None:
             raise EnvStateError(
-                f"env {ended}: step() after its episode ended, with autoreset "
+                f"env {ended}: {name}() after its episode ended, with autoreset "
                 "disabled; reset it first, e.g. reset(options={'reset_mask': mask}).",
                 env_index=ended,
             )
