@@ -751,7 +751,8 @@ class IncarnationEnv(gym.Env):
     """``obs = [t, total, incarnation]``: the step in the episode, the steps this instance took,
     and a random id drawn when the instance is built, so a result from a dead worker shows.
 
-    ``step_sleep_s`` makes a step last long enough for a kill to land in it. The markers are
+    ``step_sleep_s`` (``reset_sleep_s``) makes a step (a reset) last long enough for a kill
+    to land in it. The markers are
     files armed by their absence (``_crash_once`` creates them as it fires): ``marker`` makes
     the next reset segfault, ``raise_marker`` the next step raise, ``reset_raise_marker``
     the next reset raise.
@@ -764,8 +765,10 @@ class IncarnationEnv(gym.Env):
         marker: str | None = None,
         raise_marker: str | None = None,
         reset_raise_marker: str | None = None,
+        reset_sleep_s: float = 0.0,
     ) -> None:
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
+        self.reset_sleep_s = reset_sleep_s
         self.action_space = gym.spaces.Discrete(2)
         self.episode_length = episode_length
         self.step_sleep_s = step_sleep_s
@@ -776,6 +779,8 @@ class IncarnationEnv(gym.Env):
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
+        if self.reset_sleep_s:
+            time.sleep(self.reset_sleep_s)
         if self.marker is not None and _crash_once(self.marker):
             segfault()
         if self.reset_raise_marker is not None and _crash_once(self.reset_raise_marker):

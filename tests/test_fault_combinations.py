@@ -297,3 +297,29 @@ def test_a_masked_reset_in_which_envs_raise_names_them_all_and_leaves_no_reply_b
             assert list(envs.get_attr("incarnation")) == obs[:, 2].tolist()
             assert envs.get_attr("t")[2:] == (0, last[3][0])
             envs.reset()
+
+
+@pytest.mark.parametrize("call", ["step_wait", "reset_wait"])
+def test_a_wait_with_a_timeout_keeps_it_after_a_hand_over(call):
+    """A worker dies while another is still slow: the data plane hands the round over, and
+    step_wait(timeout)/reset_wait(timeout) still return by the timeout, the round in flight;
+    the next wait collects it, the dead worker's env flagged (or its reset replayed)."""
+    slow = functools.partial(IncarnationEnv, step_sleep_s=1.5, reset_sleep_s=1.5)
+    with MultiEnv([slow, IncarnationEnv], restart_policy=_BUDGET) as envs:
+        envs.reset(seed=0)
+        if call == "step_wait":
+            envs.step_async(np.zeros(2, np.int64))
+        else:
+            envs.reset_async()
+        kill(envs.envs[1].pid)
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            getattr(envs, call)(timeout=0.3)
+        assert time.monotonic() - began < 0.9
+        result = getattr(envs, call)(timeout=10)
+        if call == "step_wait":
+            assert restarted(result[4], 1) and result[3][1]
+            assert result[0][0][0] == 1  # the slow env stepped once
+        else:
+            assert result[0].shape[0] == 2
+        envs.step(np.zeros(2, np.int64))

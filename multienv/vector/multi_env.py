@@ -12,6 +12,7 @@ methods in ``planning.PlanningApi``, and ``send``/``recv`` in ``send_recv.SendRe
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -306,7 +307,9 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
             except BaseException:
                 # Collected (an env's EnvError, as the general path raises it) or handed
                 # to the supervisors (Ctrl-C), who drop it before the next call: none pending.
-                self._pending = None
+                # (Ctrl-C while the pool collects a hand-over keeps it, as the pool's own.)
+                if self._pending == []:
+                    self._pending = None
                 raise
             self._pending = None
             return batch
@@ -442,6 +445,7 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
         Raises:
             WaitTimeoutError: ``timeout`` passed first; the step stays in flight.
         """
+        until = None if timeout is None else time.monotonic() + timeout
         try:
             received = plane.receive(timeout)
         except BaseException:
@@ -456,8 +460,17 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
             )
         assert isinstance(received, StepPlan)
         self._plan = received
-        outcome = {number: finish(group) for number, group in enumerate(self._groups)}
-        return self._finish_step(outcome)
+        if until is None:
+            outcome = {number: finish(group) for number, group in enumerate(self._groups)}
+            return self._finish_step(outcome)
+        # step_wait(timeout): the supervisors collect the rest on the pool, so that the
+        # caller's timeout holds (a worker still stepping may take to its own deadline).
+        self._pending = [self._fan_out.executor.submit(self._collect_handed_over)]
+        return self._wait_for_pool(max(0.0, until - time.monotonic()))
+
+    def _collect_handed_over(self) -> ByWorker:
+        """Every worker's part of a planned step the data plane handed over, collected."""
+        return {number: finish(group) for number, group in enumerate(self._groups)}
 
     def _split_actions(self, actions: Any, env_ids: list[int] | None) -> Any:
         """The actions as one array (array spaces) or list, checked; errors name the env."""

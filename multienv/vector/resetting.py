@@ -8,6 +8,7 @@ per-env options go by the pool (``fan_out.reset_batches``), one batch per worker
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,8 +44,11 @@ class ResetApi:
         _assembly: Assembly
         _groups: list[WorkerGroup]
         _clock: CallClock
+        _plan: StepPlan | None
 
         def _check_idle(self, name: str) -> None: ...
+
+        def _collect_handed_over(self) -> ByWorker: ...
 
     @clocked
     def reset(
@@ -114,13 +118,22 @@ class ResetApi:
             except WaitTimeoutError:
                 raise  # still in flight: reset_wait() again
             except BaseException:
-                self._pending_reset = None  # collected, or handed over (as step_wait)
+                if self._pending_reset is not None and not self._pending_reset[0]:
+                    self._pending_reset = None  # collected, or handed over (as step_wait)
                 raise
             self._pending_reset = None
             return reset
+        return self._wait_for_reset_pool(timeout)
+
+    def _wait_for_reset_pool(self, timeout: float | None) -> tuple[Any, dict[str, Any]]:
+        """``reset_wait`` of a reset collected on the pool; on expiry it stays in flight."""
+        futures, mask = self._pending_reset
         outcome = collect_slices(futures, timeout, "reset")
         self._pending_reset = None
-        return self._finish_reset(outcome, mask)
+        plan = self._plan if self._plan is not None and self._plan.skip is not None else None
+        if plan is not None:
+            self._plan = None  # the data plane's reset, handed over (``_receive_reset``)
+        return self._finish_reset(outcome, mask, plan)
 
     def _reset_arguments(
         self, seed: Any, options: Any
@@ -143,6 +156,7 @@ class ResetApi:
         Raises:
             WaitTimeoutError: ``timeout`` passed first; the reset stays in flight.
         """
+        until = None if timeout is None else time.monotonic() + timeout
         try:
             received = plane.receive_reset(timeout)
         except BaseException:
@@ -156,8 +170,14 @@ class ResetApi:
                 "reset_wait() again, or close()."
             )
         assert isinstance(received, StepPlan)
-        outcome = {number: finish(group) for number, group in enumerate(self._groups)}
-        return self._finish_reset(outcome, mask, received)
+        if until is None:
+            outcome = {number: finish(group) for number, group in enumerate(self._groups)}
+            return self._finish_reset(outcome, mask, received)
+        # reset_wait(timeout): collected on the pool, within the caller's timeout (as
+        # step_wait); the plan waits in ``_plan`` (a reset's has ``skip``) till then.
+        self._plan = received
+        self._pending_reset = ([self._fan_out.executor.submit(self._collect_handed_over)], mask)
+        return self._wait_for_reset_pool(max(0.0, until - time.monotonic()))
 
     def _finish_reset(
         self, outcome: ByWorker, mask: np.ndarray, plan: StepPlan | None = None
