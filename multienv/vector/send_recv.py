@@ -95,6 +95,12 @@ class SendRecvApi:
         Returns:
             ``(obs, rewards, terminations, truncations, infos)`` for ``batch_size`` envs in
             ascending env order; ``infos["env_id"]`` holds their indices.
+
+        Raises:
+            EnvError: An env raised in its step: that env leaves flight (it did not step).
+                Each env that raised gets its own, one per ``recv`` call, lowest env first;
+                until then the others stay in flight, and the envs that stepped are kept
+                for later calls.
         """
         if self.closed:
             raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
