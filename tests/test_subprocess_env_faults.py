@@ -349,8 +349,10 @@ def test_unpicklable_info_names_the_key_and_worker_survives():
         proxy.reset()
         proxy.step(0)
         pid = proxy.pid
-        with pytest.raises(EnvError, match=r"info\['handle'\] of type lock"):
+        with pytest.raises(EnvError, match=r"info\['handle'\] of type lock") as raised:
             proxy.step(0)
+        remote = raised.value.__cause__.__cause__  # no env frame: it says so, not a bare header
+        assert "outside the env's code" in str(remote)
         assert proxy.pid == pid
         assert proxy.step(0)[4] == {"count": 3}
     finally:

@@ -501,7 +501,13 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         """Show the traceback as the worker printed it."""
-        return "in the env's worker:\n" + self.traceback_text.rstrip("\n")
+        text = self.traceback_text.rstrip("\n")
+        if text.count("\n") < 1 and text.startswith("Traceback"):  # no frame of the env's
+            return (
+                "in the env's worker, outside the env's code (its result could not be sent "
+                "back as it was; the message below says which part)"
+            )
+        return "in the env's worker:\n" + text
 
 
 class OwnerWatch(enum.Enum):
