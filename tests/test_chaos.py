@@ -49,9 +49,9 @@ def run_harness(mode: str, k: int, n: int, spin: bool, seconds: float, seed: int
     violations = "\n".join(
         line for line in done.stdout.splitlines() if line.startswith(("VIOLATION", "HANG"))
     )
-    assert done.returncode == 0 and result, (
-        f"exit {done.returncode}\n{summary}\n{violations}\n{done.stdout[-6000:]}"
-    )
+    report = f"exit {done.returncode}\n{summary}\n{violations}\n{done.stdout[-6000:]}"
+    assert done.returncode == 0, report
+    assert result, report
     return done.stdout
 
 
@@ -70,5 +70,6 @@ def test_a_short_chaos_run_breaks_no_invariant():
 @pytest.mark.parametrize(("mode", "k", "n", "spin"), MATRIX)
 def test_the_chaos_matrix_breaks_no_invariant(mode, k, n, spin):
     seconds = float(os.environ.get("MULTIENV_CHAOS_SECONDS", "70"))
-    seed = int(os.environ.get("MULTIENV_CHAOS_SEED", "0")) or int.from_bytes(os.urandom(3), "little")
+    seed = int(os.environ.get("MULTIENV_CHAOS_SEED", "0"))
+    seed = seed or int.from_bytes(os.urandom(3), "little")
     run_harness(mode, k, n, spin, seconds, seed)

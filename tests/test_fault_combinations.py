@@ -52,7 +52,9 @@ def test_a_respawned_worker_killed_before_the_next_step_returns_no_stale_result(
             timer.start()
             first = envs.step(actions)
             timer.join()
-            assert restarted(first[4], 1) and first[3][1] and not first[2][1]
+            assert restarted(first[4], 1)
+            assert first[3][1]
+            assert not first[2][1]
             kill(envs.envs[1].pid)
             obs, rewards, terminated, truncated, infos = envs.step(actions)
             is_fresh = obs[1][0] == 0 and obs[1][1] == 0 and obs[1][2] != last[0][1][2]
@@ -87,7 +89,8 @@ def test_a_death_in_a_masked_reset_returns_the_replayed_reset(tmp_path, after_a_
             obs, _ = envs.reset(options={"reset_mask": mask})
             assert os.path.exists(marker)
             got = obs[0].tolist()
-            assert got[:2] == [0, 0] and got[2] != before[2], f"{before} -> {got}"
+            assert got[:2] == [0, 0], f"{before} -> {got}"
+            assert got[2] != before[2], f"{before} -> {got}"
 
 
 @pytest.mark.parametrize("as_list", [False, True])  # data plane, general path
@@ -109,7 +112,8 @@ def test_step_wait_that_raises_an_env_error_leaves_nothing_pending(tmp_path, as_
         with pytest.raises(Exception, match="without any prior call"):
             envs.step_wait(timeout=1)
         obs = envs.step(actions)[0]  # neither refused nor a batch of a step never sent
-        assert obs[1 - failed][1] == 3 and obs[failed][1] == 2
+        assert obs[1 - failed][1] == 3
+        assert obs[failed][1] == 2
         envs.reset()
 
 
@@ -184,7 +188,8 @@ def test_an_env_that_raised_in_a_partial_send_is_never_returned_later(tmp_path):
         assert raised.value.env_index == 2
         assert envs._in_flight.env_ids() == [3]
         obs, *_, infos = envs.recv(timeout=20)
-        assert infos["env_id"].tolist() == [3] and obs[0][1] == 1
+        assert infos["env_id"].tolist() == [3]
+        assert obs[0][1] == 1
         envs.send(np.zeros(1, np.int64), [3])
         assert envs.recv(timeout=20)[4]["env_id"].tolist() == [3]
 
@@ -199,7 +204,8 @@ def test_an_env_error_in_recv_gets_no_healthy_worker_killed(tmp_path):
             os.unlink(markers[3])
             envs.send(np.zeros(8, np.int64))
             returned, named = _recv_all(envs)
-            assert named == [3] and len(returned) == 7
+            assert named == [3]
+            assert len(returned) == 7
             envs.step(np.zeros(8, np.int64))
         assert [env["restarts"] for env in envs.stats()] == [0] * 8
 
@@ -222,7 +228,8 @@ def test_a_hung_step_is_killed_after_one_step_timeout_on_every_path(path):
         else:
             _, _, _, truncated, infos = envs.step([0, 0] if path == "general path" else actions)
         took = time.monotonic() - began
-        assert truncated[0] and restarted(infos, 0)
+        assert truncated[0]
+        assert restarted(infos, 0)
         assert 1.0 <= took < 1.8, f"the hung step came back after {took:.2f} s"
 
 
@@ -252,7 +259,7 @@ def test_an_autoreset_whose_reset_raised_is_tried_again_on_the_next_step(tmp_pat
         os.unlink(marker)  # one of the two autoresets raises
         with pytest.raises(EnvError, match="reset"):
             step(envs, actions)
-        obs, rewards, terminated, *_ = step(envs, actions)
+        obs, rewards, _terminated, *_ = step(envs, actions)
         assert obs[:, 0].tolist() in ([0, 1], [1, 0]), obs  # the env that raised: reset
         assert rewards[obs[:, 0] == 0].tolist() == [0.0]
 
@@ -292,7 +299,8 @@ def test_a_masked_reset_in_which_envs_raise_names_them_all_and_leaves_no_reply_b
                 envs.reset(options={"reset_mask": mask})
             assert raised.value.failed_env_ids == [0, 1]
             obs, _ = raised.value.results
-            assert obs[2][0] == 0 and obs[3].tolist() == last[3].tolist()
+            assert obs[2][0] == 0
+            assert obs[3].tolist() == last[3].tolist()
             # Each env answers its own call: no reply of the reset is left on a pipe.
             assert list(envs.get_attr("incarnation")) == obs[:, 2].tolist()
             assert envs.get_attr("t")[2:] == (0, last[3][0])
@@ -318,7 +326,8 @@ def test_a_wait_with_a_timeout_keeps_it_after_a_hand_over(call):
         assert time.monotonic() - began < 0.9
         result = getattr(envs, call)(timeout=10)
         if call == "step_wait":
-            assert restarted(result[4], 1) and result[3][1]
+            assert restarted(result[4], 1)
+            assert result[3][1]
             assert result[0][0][0] == 1  # the slow env stepped once
         else:
             assert result[0].shape[0] == 2

@@ -80,3 +80,20 @@ def test_the_slowest_worker_is_named_on_the_one_pass_step_too():
     assert workers[2]["batch_p50_s"] >= 0.03
     assert workers[0]["batch_p50_s"] < 0.02
     assert workers[0]["step_p50_s"] >= 0.03  # its round trip waited for the slow worker
+
+
+def test_timing_prints_as_a_short_summary():
+    from multienv import MultiEnv
+    from tests.envs import CountingEnv
+
+    with MultiEnv([CountingEnv] * 4, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        for _ in range(20):
+            envs.step(np.zeros(4, dtype=np.int64))
+        report = envs.timing()
+    text = str(report).splitlines()
+    assert len(text) == 2
+    assert "in the vector's calls" in text[0]
+    assert "0 restarts" in text[0]
+    assert text[1].startswith("slowest workers, median batch: worker ")
+    assert report["workers"][0]["env_ids"] == [0, 1]  # still the dict it was

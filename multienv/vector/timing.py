@@ -66,7 +66,7 @@ class CallClock:
         env_ids: Sequence[Sequence[int]],
         reset: bool,
         batch_times: Sequence[np.ndarray] | None = None,
-    ) -> dict[str, Any]:
+    ) -> TimingReport:
         """The window's split, each worker's latencies and losses; a new window if ``reset``.
 
         Args:
@@ -110,17 +110,17 @@ class CallClock:
         )
         timed = [w for w in workers if not math.isnan(w[key])]
         by_p50 = sorted(timed, key=lambda w: -float(w[key]))
-        report = {
-            "wall_s": wall_s,
-            "env_s": in_calls_s,
-            "policy_s": wall_s - in_calls_s,
-            "env_bound": in_calls_s / wall_s if wall_s > 0 else math.nan,
-            "restarts": sum(w["restarts"] for w in workers),
-            "recycles": sum(w["recycles"] for w in workers),
-            "lost_s": sum(w["lost_s"] for w in workers),
-            "slowest_workers": [w["worker"] for w in by_p50[:3]],
-            "workers": workers,
-        }
+        report = TimingReport(
+            wall_s=wall_s,
+            env_s=in_calls_s,
+            policy_s=wall_s - in_calls_s,
+            env_bound=in_calls_s / wall_s if wall_s > 0 else math.nan,
+            restarts=sum(w["restarts"] for w in workers),
+            recycles=sum(w["recycles"] for w in workers),
+            lost_s=sum(w["lost_s"] for w in workers),
+            slowest_workers=[w["worker"] for w in by_p50[:3]],
+            workers=workers,
+        )
         if reset:
             self._since = now
             self.in_calls_s = 0.0
@@ -149,7 +149,7 @@ class TimingApi:
             for env_index, proxy in enumerate(self.envs)
         ]
 
-    def timing(self, reset: bool = True) -> dict[str, Any]:
+    def timing(self, reset: bool = True) -> TimingReport:
         """Where the caller's time went since the vector was built or the last ``timing()``.
 
         Always on: each call that waits for the envs (``step``, ``reset``, ``send``,
@@ -178,7 +178,8 @@ class TimingApi:
             vector's one-pass steps share one latency for all its workers);
             ``batch_p50_s`` and ``batch_p99_s``, the worker's own time on its latest
             batches in shared memory, without the round trip (NaN where there are none);
-            and its ``restarts``, ``recycles`` and ``lost_s``.
+            and its ``restarts``, ``recycles`` and ``lost_s``. A dict, whose ``str`` is a
+            two-line summary: ``print(envs.timing())``.
         """
         if self.closed:  # its workers' batch times went with the shared memory
             raise ClosedEnvironmentError("MultiEnv.timing() called after close().")
@@ -191,6 +192,29 @@ class TimingApi:
             reset,
             times,
         )
+
+
+class TimingReport(dict[str, Any]):
+    """``timing()``'s report: a dict, whose ``str`` is a short summary to print."""
+
+    def __str__(self) -> str:
+        """Two lines: where the time went, and the slowest workers' own batch times."""
+        line = (
+            f"{self['wall_s']:.2f} s: {self['env_bound']:.0%} in the vector's calls "
+            f"({self['env_s']:.2f} s), {self['policy_s']:.2f} s in yours; "
+            f"{self['restarts']} restarts, {self['recycles']} recycles "
+            f"({self['lost_s']:.2f} s lost)"
+        )
+        slowest = []
+        for number in self["slowest_workers"]:
+            worker = self["workers"][number]
+            p50 = worker["batch_p50_s"]
+            if math.isnan(p50):
+                p50 = worker["step_p50_s"]
+            slowest.append(f"worker {number} (envs {worker['env_ids']}) {p50 * 1e3:.2f} ms")
+        if slowest:
+            line += "\nslowest workers, median batch: " + ", ".join(slowest)
+        return line
 
 
 def _percentiles(times: np.ndarray) -> tuple[float, float]:

@@ -30,7 +30,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from chaos_env import (  # noqa: E402
+from chaos_env import (
     CODES,
     EXIT,
     HANG,
@@ -43,8 +43,8 @@ from chaos_env import (  # noqa: E402
     open_control,
 )
 
-from multienv import EnvError, MultiEnv, RestartPolicy  # noqa: E402
-from multienv.errors import EnvStateError, WaitTimeoutError  # noqa: E402
+from multienv import EnvError, MultiEnv, RestartPolicy
+from multienv.errors import EnvStateError, WaitTimeoutError
 
 NEXT, SAME, DIS = "NextStep", "SameStep", "Disabled"
 OP_WATCHDOG_S = 90.0  # one op (a call, or a send/recv burst's one call) longer than this: a hang
@@ -89,9 +89,11 @@ class Watchdog:
                 sys.stdout.flush()
                 for p in my_descendants():
                     try:
-                        log(f"  child {p.pid} {p.name()} status={p.status()} "
-                            f"wchan={open(f'/proc/{p.pid}/wchan').read()}")
-                    except Exception:  # noqa: BLE001
+                        log(
+                            f"  child {p.pid} {p.name()} status={p.status()} "
+                            f"wchan={open(f'/proc/{p.pid}/wchan').read()}"
+                        )
+                    except Exception:  # noqa: BLE001, S110 - a child gone meanwhile
                         pass
                 os._exit(3)
 
@@ -124,7 +126,9 @@ class Chaos:
         self.num_workers = -(-self.n // self.k)
         self.ctl_path = f"/dev/shm/chaos-ctl-{os.getpid()}.bin"
         self.ctl = open_control(self.ctl_path, self.n, create=True)
-        self.tag = f"{self.mode} k={self.k} n={self.n}{' spin' if args.spin else ''} seed={args.seed}"
+        self.tag = (
+            f"{self.mode} k={self.k} n={self.n}{' spin' if args.spin else ''} seed={args.seed}"
+        )
         # model, per env
         self.last = np.zeros((self.n, 5))
         self.ended = np.zeros(self.n, bool)
@@ -263,7 +267,9 @@ class Chaos:
                     choices = [EXIT, SEGV] + ([RAISE] if self.mode == NEXT else [])
                     self.command(j, 1, self.pyrng.choice(choices))
                 else:
-                    code = self.pyrng.choices([RAISE, EXIT, SEGV, HANG, SLOW], [30, 20, 20, 3, 27])[0]
+                    code = self.pyrng.choices([RAISE, EXIT, SEGV, HANG, SLOW], [30, 20, 20, 3, 27])[
+                        0
+                    ]
                     self.command(j, 0, code)
 
     def clear_commands(self, only_reset_raise: bool) -> None:
@@ -332,7 +338,10 @@ class Chaos:
                 self.V("flag-without-cause", ctx)
             if self.mode == SAME:
                 if final is None or not np.array_equal(final, p):
-                    self.V("crash-final-obs-not-last-seen", f"{ctx} final={None if final is None else final.tolist()}")
+                    self.V(
+                        "crash-final-obs-not-last-seen",
+                        f"{ctx} final={None if final is None else final.tolist()}",
+                    )
                 if obs[0] != 0 or obs[2] != 0:
                     self.V("crash-obs-not-fresh-reset", ctx)
                 if obs[3] == p[3]:
@@ -383,7 +392,9 @@ class Chaos:
                 self.V(kind, ctx)
             d = src[2] - p[2]
             if d != 1:
-                kind = "lost-step" if d > 1 else ("duplicate-result" if d == 0 else "total-backwards")
+                kind = (
+                    "lost-step" if d > 1 else ("duplicate-result" if d == 0 else "total-backwards")
+                )
                 self.V(kind, ctx)
             if src[4] != p[4]:
                 self.V("episode-length-changed (splice)", ctx)
@@ -443,10 +454,13 @@ class Chaos:
         never resets, and a reset never steps."""
         msg = str(exc)
         late = ("raises in reset" in msg and call_kind == "step" and self.mode == DIS) or (
-            "raises in step" in msg and call_kind == "reset")
+            "raises in step" in msg and call_kind == "reset"
+        )
         if late:
-            self.V("error-of-an-earlier-call-raised-by-a-later-one (reply desync)",
-                   f"{call_kind} call raised: {msg[:160]}")
+            self.V(
+                "error-of-an-earlier-call-raised-by-a-later-one (reply desync)",
+                f"{call_kind} call raised: {msg[:160]}",
+            )
 
     def settle_raises(self, failed: list[int]) -> None:
         self.op_had_env_error = True
@@ -454,15 +468,20 @@ class Chaos:
             if self.pending_raises[j] > 0:
                 self.pending_raises[j] -= 1
             else:
-                self.V("EnvError-for-env-that-did-not-raise", f"env {j}; pending {dict(self.pending_raises)}")
+                self.V(
+                    "EnvError-for-env-that-did-not-raise",
+                    f"env {j}; pending {dict(self.pending_raises)}",
+                )
         self.c["EnvError"] += len(failed)
 
     def quiescent_checks(self) -> None:
         left = {j: c for j, c in self.pending_raises.items() if c > 0}
         if left:
             if self.op_had_env_error:  # raise_first: the others are only logged
-                self.V("second-env-error-only-logged (env left flight, no EnvError names it)",
-                       f"envs {left} raised in an op whose EnvError named another env")
+                self.V(
+                    "second-env-error-only-logged (env left flight, no EnvError names it)",
+                    f"envs {left} raised in an op whose EnvError named another env",
+                )
             else:
                 self.V("env-raise-swallowed (no EnvError)", f"envs {left}")
             self.pending_raises.clear()
@@ -490,9 +509,15 @@ class Chaos:
         if isinstance(out, tuple) and len(out) == 5 and isinstance(out[4], dict):
             ids = out[4].get("env_id")
             m = out[4].get("multienv")
-            fl = None if not isinstance(m, dict) or "_restarted" not in m else np.flatnonzero(m["_restarted"]).tolist()
-            self.ev(f"  -> ids={None if ids is None else ids.tolist()} t={np.asarray(out[0])[:, 0].tolist()} "
-                    f"flags(rows)={fl} term={np.flatnonzero(out[2]).tolist()} trunc={np.flatnonzero(out[3]).tolist()}")
+            fl = (
+                None
+                if not isinstance(m, dict) or "_restarted" not in m
+                else np.flatnonzero(m["_restarted"]).tolist()
+            )
+            self.ev(
+                f"  -> ids={None if ids is None else ids.tolist()} t={np.asarray(out[0])[:, 0].tolist()} "
+                f"flags(rows)={fl} term={np.flatnonzero(out[2]).tolist()} trunc={np.flatnonzero(out[3]).tolist()}"
+            )
         return out
 
     def process_step_batch(self, out, acts, failed=()) -> None:
@@ -501,8 +526,10 @@ class Chaos:
             if j in failed:
                 p = self.last[j]
                 if not np.array_equal(np.asarray(obs[j]), p) or rew[j] != 0 or term[j] or trunc[j]:
-                    self.V("failed-env-entry-not-as-documented",
-                           f"env {j} prev={p.tolist()} entry={np.asarray(obs[j]).tolist()} r={rew[j]} {term[j]} {trunc[j]}")
+                    self.V(
+                        "failed-env-entry-not-as-documented",
+                        f"env {j} prev={p.tolist()} entry={np.asarray(obs[j]).tolist()} r={rew[j]} {term[j]} {trunc[j]}",
+                    )
                 continue
             self.check_step(j, obs[j], rew[j], term[j], trunc[j], infos, j, acts[j])
         self.after_result_faults(infos, range(self.n))
@@ -557,7 +584,9 @@ class Chaos:
             except WaitTimeoutError:
                 self.c["step_wait-timeouts"] += 1
                 if time.monotonic() - began > OP_WATCHDOG_S:
-                    self.V("step_wait-never-done", f"{OP_WATCHDOG_S} s of step_wait(timeout) retries")
+                    self.V(
+                        "step_wait-never-done", f"{OP_WATCHDOG_S} s of step_wait(timeout) retries"
+                    )
                     out = self.call("step_wait", self.envs.step_wait, None)
                     break
             except EnvError as e:
@@ -566,8 +595,10 @@ class Chaos:
                 failed = sorted(e.failed_env_ids or [e.env_index])
                 self.settle_raises(failed)
                 if self.envs._pending is not None:  # finding: the step stays pending
-                    self.V("step_wait-EnvError-leaves-step-pending (later calls: PendingCallError)",
-                           f"envs._pending={self.envs._pending!r}; cleared by the harness to go on")
+                    self.V(
+                        "step_wait-EnvError-leaves-step-pending (later calls: PendingCallError)",
+                        f"envs._pending={self.envs._pending!r}; cleared by the harness to go on",
+                    )
                     self.envs._pending = None
                 if e.results is None:
                     self.V("step_wait-EnvError-without-results", repr(e))
@@ -584,20 +615,27 @@ class Chaos:
             self.random_commands(for_reset=True, envs_pool=[int(j) for j in np.flatnonzero(m)])
         timer = self.timer_fault() if self.pyrng.random() < 0.2 else None
         options = None if full else {"reset_mask": m.copy()}
-        for attempt in range(6):
+        for _attempt in range(6):
             try:
                 if use_async:
                     self.call("reset_async", self.envs.reset_async, seed=seed, options=options)
                     while True:
                         try:
-                            out = self.call("reset_wait", self.envs.reset_wait,
-                                            self.pyrng.choice([None, 0.0, 0.01, 0.2]))
+                            out = self.call(
+                                "reset_wait",
+                                self.envs.reset_wait,
+                                self.pyrng.choice([None, 0.0, 0.01, 0.2]),
+                            )
                             break
                         except WaitTimeoutError:
                             self.c["reset_wait-timeouts"] += 1
                 else:
-                    out = self.call(f"reset({why})", self.envs.reset, seed=seed,
-                                    options=None if options is None else dict(options))
+                    out = self.call(
+                        f"reset({why})",
+                        self.envs.reset,
+                        seed=seed,
+                        options=None if options is None else dict(options),
+                    )
             except EnvError as e:
                 self.note_executed()
                 self.check_phase(e, "reset")
@@ -605,8 +643,10 @@ class Chaos:
                 self.settle_raises(sorted(e.failed_env_ids or [e.env_index]))
                 self.c["reset-retries"] += 1
                 if self.envs._pending_reset is not None:  # finding: the reset stays pending
-                    self.V("reset_wait-EnvError-leaves-reset-pending (later calls: PendingCallError)",
-                           "cleared by the harness to go on")
+                    self.V(
+                        "reset_wait-EnvError-leaves-reset-pending (later calls: PendingCallError)",
+                        "cleared by the harness to go on",
+                    )
                     self.envs._pending_reset = None
                 self.clear_commands(only_reset_raise=True)
                 # which envs were reset is unknown: the retry resets them all again
@@ -645,8 +685,10 @@ class Chaos:
             for j in range(self.n):
                 if incs[j] == int(self.last[j, 3]) and totals[j] != int(self.last[j, 2]):
                     if not self.crashed[j]:
-                        self.V("get_attr-total-differs (a step ran unseen or was lost)",
-                               f"env {j} total={totals[j]} last seen={self.last[j].tolist()}")
+                        self.V(
+                            "get_attr-total-differs (a step ran unseen or was lost)",
+                            f"env {j} total={totals[j]} last seen={self.last[j].tolist()}",
+                        )
                 if incs[j] != int(self.last[j, 3]):
                     self.c["get_attr-saw-respawn"] += 1
         else:
@@ -679,11 +721,11 @@ class Chaos:
             self.random_commands(for_reset=False, envs_pool=ids)
         try:
             self.call("send", self.envs.send, acts, arg)
-        except EnvStateError as e:
+        except EnvStateError:
             # documented refusal (a mate of these envs is still stepping): nothing sent
             self.c["send-refused (mate stepping)"] += 1
             return
-        for a, j in zip(acts, ids):
+        for a, j in zip(acts, ids, strict=False):
             self.in_flight[j] = True
             self.sent_action[j] = a
         self.c["sends"] += 1
@@ -712,7 +754,9 @@ class Chaos:
         began = time.monotonic()
         while True:
             try:
-                out = self.call(f"recv(batch_size={bs})", self.envs.recv, batch_size=bs, timeout=timeout)
+                out = self.call(
+                    f"recv(batch_size={bs})", self.envs.recv, batch_size=bs, timeout=timeout
+                )
                 break
             except WaitTimeoutError:
                 self.c["recv-timeouts"] += 1
@@ -745,7 +789,9 @@ class Chaos:
                 self.V("recv-returned-env-not-in-flight", f"env {j}")
                 continue
             self.in_flight[j] = False
-            self.check_step(j, obs[row], rew[row], term[row], trunc[row], infos, row, self.sent_action[j])
+            self.check_step(
+                j, obs[row], rew[row], term[row], trunc[row], infos, row, self.sent_action[j]
+            )
         self.after_result_faults(infos, ids.tolist())
         return ids
 
@@ -757,8 +803,10 @@ class Chaos:
                 self.in_flight[j] = False
                 if self.pending_raises[j] > 0:
                     self.pending_raises[j] -= 1
-                    self.V("second-env-error-only-logged (env left flight, no EnvError names it)",
-                           f"{where}: env {j}")
+                    self.V(
+                        "second-env-error-only-logged (env left flight, no EnvError names it)",
+                        f"{where}: env {j}",
+                    )
                 else:
                     self.V("env-vanished-from-flight", f"{where}: env {j}")
 
@@ -792,7 +840,9 @@ class Chaos:
                 self.do_send(back, as_given=ids.copy())
             elif r < 0.8:
                 sub = [j for j in back if self.pyrng.random() < 0.5]
-                self.do_send(sub, as_given=sub if self.pyrng.random() < 0.5 else np.array(sub, np.int32))
+                self.do_send(
+                    sub, as_given=sub if self.pyrng.random() < 0.5 else np.array(sub, np.int32)
+                )
             elif r < 0.9:  # more than returned: every sendable env
                 self.do_send(self.sendable())
             elif r < 0.95 and self.in_flight.any():
@@ -801,7 +851,7 @@ class Chaos:
                 try:
                     self.call("send(misuse)", self.envs.send, self.actions(1), [j])
                     self.V("send-of-env-in-flight-accepted", f"env {j}")
-                except (EnvStateError, ValueError) as e:
+                except (EnvStateError, ValueError):
                     self.c["misuse-refused"] += 1
                 except EnvError as e:  # an adopted worker's error raised here
                     self.note_executed()
@@ -837,7 +887,7 @@ class Chaos:
                         self.call("recover recv", envs.recv, timeout=30)
                     except EnvError:
                         pass
-                obs, infos = self.call("recover reset", envs.reset)
+                obs, _infos = self.call("recover reset", envs.reset)
             except Exception as exc:  # noqa: BLE001
                 self.c["recover-attempt-failed"] += 1
                 self.ev(f"recover failed: {type(exc).__name__}: {exc}")
@@ -877,7 +927,7 @@ class Chaos:
         base_threads = threading.active_count()
         t0 = time.monotonic()
         self.envs = self.call("MultiEnv()", self.make)
-        obs, infos = self.call("reset(seed)", self.envs.reset, seed=self.a.seed)
+        obs, _infos = self.call("reset(seed)", self.envs.reset, seed=self.a.seed)
         self.last[:] = obs
         bg = threading.Thread(target=self.background, daemon=True, name="bg-faults")
         bg.start()
@@ -910,7 +960,10 @@ class Chaos:
                         self.op_call()
                 except Exception as exc:  # noqa: BLE001
                     unexpected += 1
-                    self.V("unexpected-exception", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                    self.V(
+                        "unexpected-exception",
+                        f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                    )
                     if unexpected > 25 or not self.recover():
                         break
                 self.c[f"op:{name}"] += 1
@@ -948,8 +1001,10 @@ class Chaos:
         restarts = np.array([stats[w * self.k]["restarts"] for w in range(self.num_workers)])
         over = restarts - (self.deaths_definite + self.deaths_maybe)
         for w in np.flatnonzero(over > 0):
-            self.V("restart-without-injected-death",
-                   f"worker {w}: restarts {restarts[w]} definite {self.deaths_definite[w]} maybe {self.deaths_maybe[w]}")
+            self.V(
+                "restart-without-injected-death",
+                f"worker {w}: restarts {restarts[w]} definite {self.deaths_definite[w]} maybe {self.deaths_maybe[w]}",
+            )
         sent_parts = getattr(getattr(self.envs._in_flight, "parts", None), "sent", None)
         resent = getattr(getattr(self.envs._in_flight, "parts", None), "resent", None)
         # close
@@ -968,8 +1023,11 @@ class Chaos:
         zombies = [p.pid for p in my_descendants() if _status(p) == psutil.STATUS_ZOMBIE]
         if zombies:
             self.V("zombies-after-close", f"{zombies}")
-        others = [(p.pid, _name(p)) for p in my_descendants()
-                  if not _name(p).startswith(("multienv-server", "multienv-spare"))]
+        others = [
+            (p.pid, _name(p))
+            for p in my_descendants()
+            if not _name(p).startswith(("multienv-server", "multienv-spare"))
+        ]
         if others:
             self.V("other-descendants-after-close", f"{others}")
         time.sleep(0.3)
@@ -977,16 +1035,20 @@ class Chaos:
         if fds != base_fds:
             self.V("fd-leak", f"fds {fds} vs baseline {base_fds}: {fd_list()}")
         threads = threading.active_count()
-        extra_threads = [t.name for t in threading.enumerate() if t.name not in ("watchdog", "MainThread")]
+        extra_threads = [
+            t.name for t in threading.enumerate() if t.name not in ("watchdog", "MainThread")
+        ]
         if threads > base_threads:
             self.V("thread-leak", f"threads {threads} vs {base_threads}: {extra_threads}")
         os.unlink(self.ctl_path)
         elapsed = time.monotonic() - t0
-        log(f"RESULT [{self.tag}] {elapsed:.0f}s ops={self.op} results={self.c['results']} "
+        log(
+            f"RESULT [{self.tag}] {elapsed:.0f}s ops={self.op} results={self.c['results']} "
             f"flags={self.c['flags']} causes={dict(self.causes)} EnvErrors={self.c['EnvError']} "
             f"restarts={restarts.tolist()} deaths(definite)={self.deaths_definite.tolist()} "
             f"(maybe)={self.deaths_maybe.tolist()} parts_sent={sent_parts} resent={resent} "
-            f"close={close_s:.2f}s fds={fds}/{base_fds}")
+            f"close={close_s:.2f}s fds={fds}/{base_fds}"
+        )
         log("  counts: " + ", ".join(f"{k}={v}" for k, v in sorted(self.c.items())))
         if self.violations:
             log(f"  VIOLATIONS {len(self.violations)}: {dict(self.vkinds)}")

@@ -110,7 +110,7 @@ def _write_dump(setting: str, dump: list[bytes]) -> None:
         return
     _dumps["shown"] += 1
     if setting != "all" and len(dump) > _DUMP_LINES:
-        dump = dump[:_DUMP_LINES] + [b"  [crash dump cut at %d lines]" % _DUMP_LINES]
+        dump = [*dump[:_DUMP_LINES], b"  [crash dump cut at %d lines]" % _DUMP_LINES]
     _write(setting, b"".join(line + b"\n" for line in dump))
 
 
