@@ -36,6 +36,13 @@ class MissingMainGuardError(MultiEnvError, RuntimeError):
     """
 
 
+class EnvFnPickleError(MultiEnvError, TypeError):
+    """An ``env_fn`` cannot be pickled with cloudpickle (it captured a lock, a socket, ...).
+
+    Raised before any worker starts, naming the env; the pickler's own error is its cause.
+    """
+
+
 class EnvStateError(MultiEnvError, RuntimeError):
     """The call is not allowed in the env's current state, e.g. ``step()`` before ``start()``."""
 
@@ -151,7 +158,7 @@ class EnvCrashLoopError(EnvCrashedError):
 
 # What the user's code or env did, told in full by the message: multienv's own frames
 # between the public call and the raise say nothing more, so they are cut (``raised_here``).
-ERRORS_OF_USER_CODE = (EnvError, EnvCrashedError, MissingMainGuardError)
+ERRORS_OF_USER_CODE = (EnvError, EnvCrashedError, MissingMainGuardError, EnvFnPickleError)
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -2,6 +2,7 @@ import os
 import platform
 import signal
 import threading
+import traceback
 
 import gymnasium as gym
 import numpy as np
@@ -213,9 +214,13 @@ def test_mismatched_spaces_name_the_first_differing_env_and_leave_no_worker():
 
 def test_unpicklable_env_fn_names_the_env_and_leaves_no_worker():
     lock = threading.Lock()
-    with pytest.raises(TypeError, match="env 1: env_fn"):
+    with pytest.raises(TypeError, match="env 1: env_fn") as raised:
         MultiEnv([CountingEnv, lambda: lock and CountingEnv()])
     assert live_workers() == []
+    # The caller's line and the re-raise only: none of multienv's frames, nor the pickler's.
+    frames = traceback.extract_tb(raised.value.__traceback__)
+    assert len(frames) <= 2, frames
+    assert raised.value.__cause__.__traceback__ is None
 
 
 def test_ready_proxies_are_adopted_and_options_with_them_are_rejected():

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import cloudpickle
 
-from multienv.errors import EnvError
+from multienv.errors import EnvError, EnvFnPickleError
 from multienv.supervision.env_proxy import RemoteEnv
 from multienv.supervision.handles import Backend, WorkerHandle
 from multienv.supervision.options import SupervisorOptions
@@ -37,10 +37,11 @@ def pickle_env_fn(env_fn: Callable[[], Any], env_index: int) -> bytes:
     try:
         return bytes(cloudpickle.dumps(env_fn))
     except Exception as exc:
-        raise TypeError(
+        raise EnvFnPickleError(  # the pickler's frames say nothing to the user: cut
             f"env {env_index}: env_fn {env_fn!r} cannot be pickled with cloudpickle ({exc}); "
-            "build unpicklable resources inside env_fn instead of capturing them."
-        ) from exc
+            "build unpicklable resources inside env_fn instead of capturing them.",
+            env_index=env_index,
+        ) from exc.with_traceback(None)
 
 
 def warn_unbounded_batches(envs_per_worker: int, options: dict[str, Any]) -> None:
