@@ -1,4 +1,9 @@
-"""send_recv: InFlight, the envs send() stepped and recv() has not returned, against fakes."""
+"""send_recv: InFlight against fakes, and send/recv over real workers (the deadline former)."""
+
+import functools
+import os
+import signal
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -183,3 +188,71 @@ def test_step_reset_and_call_refuse_while_envs_are_in_flight_and_the_advice_work
             envs.recv(timeout=10)
         assert sorted(returned) == list(range(8))
         assert envs.step(actions)[0].shape == (8, 1)
+
+
+def _slow_last(k):
+    """Four envs; the last worker's steps take 0.8 s (IncarnationEnv: obs[1] counts steps)."""
+    from tests.envs import IncarnationEnv
+
+    slow = functools.partial(IncarnationEnv, step_sleep_s=0.8)
+    return MultiEnv([IncarnationEnv] * (4 - k) + [slow] * k, envs_per_worker=k)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_recv_at_its_deadline_returns_what_is_done_from_min_batch(k):
+    with _slow_last(k) as envs:
+        envs.reset(seed=0)
+        envs.send(np.zeros(4, dtype=np.int64))
+        began = time.monotonic()
+        obs, rewards, *_, infos = envs.recv(batch_size=4, timeout=0.3, min_batch=2)
+        assert time.monotonic() - began < 0.7
+        fast = list(range(4 - k))
+        assert infos["env_id"].tolist() == fast
+        assert obs[:, 1].tolist() == [1.0] * len(fast)  # each stepped once
+        assert rewards.tolist() == [1.0] * len(fast)
+        obs, *_, infos = envs.recv(timeout=10)  # the stragglers, still in flight
+        assert infos["env_id"].tolist() == list(range(4 - k, 4))
+        assert obs[:, 1].tolist() == [1.0] * k
+
+
+def test_recv_below_min_batch_at_its_deadline_raises_and_loses_nothing():
+    with _slow_last(1) as envs:
+        envs.reset(seed=0)
+        envs.send(np.zeros(4, dtype=np.int64))
+        with pytest.raises(WaitTimeoutError):
+            envs.recv(batch_size=4, timeout=0.3, min_batch=4)
+        with pytest.raises(WaitTimeoutError):
+            envs.recv(batch_size=4, timeout=0.3)  # min_batch=None: batch_size
+        obs, *_, infos = envs.recv(timeout=10)
+        assert infos["env_id"].tolist() == [0, 1, 2, 3]
+        assert obs[:, 1].tolist() == [1.0] * 4  # none lost, none stepped twice
+
+
+@pytest.mark.parametrize("min_batch", [0, 5, 2.0, True, "2"])
+def test_a_min_batch_out_of_range_or_not_an_int_is_a_value_error_naming_it(min_batch):
+    with MultiEnv([CountingEnv] * 4) as envs:
+        envs.reset(seed=0)
+        envs.send(np.zeros(4, dtype=np.int64))
+        with pytest.raises(ValueError, match="min_batch"):
+            envs.recv(batch_size=4, timeout=1, min_batch=min_batch)
+        assert envs.recv(timeout=10)[4]["env_id"].tolist() == [0, 1, 2, 3]  # nothing taken
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_worker_killed_in_flight_comes_back_flagged_through_a_deadline_recv(k):
+    with _slow_last(k) as envs:
+        envs.reset(seed=0)
+        envs.send(np.zeros(4, dtype=np.int64))
+        os.kill(envs.envs[3].pid, signal.SIGKILL)
+        returned, truncated = [], []
+        while len(returned) < 4:
+            try:
+                _, _, _, trunc, infos = envs.recv(batch_size=4, timeout=0.5, min_batch=1)
+            except WaitTimeoutError:
+                continue
+            returned += infos["env_id"].tolist()
+            truncated += infos["env_id"][trunc].tolist()
+            if "multienv" in infos:
+                assert infos["multienv"]["_restarted"][trunc].all()
+        assert sorted(returned) == [0, 1, 2, 3]
+        assert 3 in truncated

@@ -321,8 +321,13 @@ class PartsPlane(Protocol):
     def send(self, actions: Any, env_ids: Any) -> bool:
         """Step every env of some workers; False, sending nothing, if it cannot go this way."""
 
-    def receive(self, size: int, timeout: float | None) -> StepBatch | dict[int, Any]:
-        """The first ``size`` envs to finish, ascending; or every worker, handed over."""
+    def receive(
+        self, size: int, timeout: float | None, min_size: int | None = None
+    ) -> StepBatch | dict[int, Any]:
+        """The first ``size`` envs to finish, ascending; or every worker, handed over.
+
+        At ``timeout``, the envs done so far if they are ``min_size`` or more (None: ``size``).
+        """
 
     def flush_counts(self) -> None:
         """Count the steps and episodes of the batches returned since the last flush."""

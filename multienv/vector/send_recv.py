@@ -83,18 +83,40 @@ class SendRecvApi:
 
     @clocked
     def recv(
-        self, batch_size: int | None = None, timeout: float | None = None
+        self,
+        batch_size: int | None = None,
+        timeout: float | None = None,
+        min_batch: int | None = None,
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Collect the steps of the first ``batch_size`` envs to finish among those in flight.
 
+        A deadline batch former: with ``timeout`` and ``min_batch``, a learner that must be
+        fed on time takes what is done at the deadline, as long as that is ``min_batch``
+        envs or more, and leaves the stragglers in flight.
+
+        Example:
+            >>> import gymnasium as gym, numpy as np
+            >>> from multienv import MultiEnv
+            >>> with MultiEnv([lambda: gym.make("CartPole-v1")] * 4) as envs:
+            ...     _ = envs.reset(seed=0)
+            ...     envs.send(np.zeros(4, dtype=np.int64))
+            ...     obs, *_, infos = envs.recv(batch_size=4, timeout=1.0, min_batch=2)
+            ...     2 <= len(infos["env_id"]) <= 4
+            True
+
         Args:
-            batch_size: How many envs to return; default all that are in flight.
-            timeout: Seconds to wait; on expiry ``TimeoutError`` is raised and every step
+            batch_size: How many envs to return at most; default all that are in flight.
+                ``recv`` returns as soon as that many are done.
+            timeout: Seconds to wait. At the deadline, what is done is returned if it is
+                ``min_batch`` envs or more; else ``TimeoutError`` is raised and every step
                 stays in flight, so nothing is lost.
+            min_batch: The fewest envs to return at the deadline (1 to ``batch_size``);
+                None: ``batch_size``, so that a timeout always raises.
 
         Returns:
-            ``(obs, rewards, terminations, truncations, infos)`` for ``batch_size`` envs in
-            ascending env order; ``infos["env_id"]`` holds their indices.
+            ``(obs, rewards, terminations, truncations, infos)`` for ``batch_size`` envs (at
+            the deadline, from ``min_batch`` to ``batch_size``) in ascending env order;
+            ``infos["env_id"]`` holds their indices.
 
         Raises:
             EnvError: An env raised in its step: that env leaves flight (it did not step).
@@ -104,7 +126,7 @@ class SendRecvApi:
         """
         if self.closed:
             raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
-        return self._in_flight.recv(batch_size, timeout)
+        return self._in_flight.recv(batch_size, timeout, min_batch)
 
 
 class InFlight:
@@ -243,8 +265,13 @@ class InFlight:
             group.supervisor.submit(batch)
             self._flying[number] = env_list
 
-    def recv(self, batch_size: int | None, timeout: float | None) -> StepBatch:
-        """The first ``batch_size`` envs to finish (all in flight when None), ascending."""
+    def recv(
+        self, batch_size: int | None, timeout: float | None, min_batch: int | None = None
+    ) -> StepBatch:
+        """The first ``batch_size`` envs to finish (all in flight when None), ascending.
+
+        At ``timeout``, those done if they are ``min_batch`` or more (``MultiEnv.recv``).
+        """
         parts = self.parts
         in_flight = len(self._received) + len(self._failed)
         in_flight += sum(len(ids) for ids in self._flying.values())
@@ -258,12 +285,20 @@ class InFlight:
                 f"recv(batch_size={batch_size!r}) with {in_flight} envs in flight; pass a "
                 f"batch_size from 1 to {in_flight}, or None for all."
             )
+        if min_batch is not None and (
+            type(min_batch) is not int or not 1 <= min_batch <= size  # (bool is no int here)
+        ):
+            raise ValueError(
+                f"recv(min_batch={min_batch!r}) with batch_size {size}; pass an int from 1 to "
+                f"{size}, or None for batch_size."
+            )
+        min_size = size if min_batch is None else min_batch
         if self._failed:
             self._raise_first({})  # an env's error from an earlier call, before anything else
         deadline = None if timeout is None else time.monotonic() + timeout
         if parts is not None and parts.is_busy():
             if not self._received and not self._flying:
-                batch = parts.receive(size, timeout)
+                batch = parts.receive(size, timeout, min_size)
                 if type(batch) is tuple:
                     return batch
                 assert isinstance(batch, dict)
@@ -282,6 +317,8 @@ class InFlight:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = self._fan_out.wait_any(flying, left)
             if not ready:
+                if len(self._received) >= min_size:
+                    break  # the deadline's batch: what is done
                 raise WaitTimeoutError(
                     f"recv() timed out after {timeout} s with {len(self._received)} of the "
                     f"{size} envs ready; every step is still in flight, call recv() again."

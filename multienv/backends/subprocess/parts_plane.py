@@ -268,8 +268,13 @@ class PartsPlane(PartsHandOver):
                     pass
             raise
 
-    def receive(self, size: int, timeout: float | None) -> StepBatch | dict[int, Handed]:
+    def receive(
+        self, size: int, timeout: float | None, min_size: int | None = None
+    ) -> StepBatch | dict[int, Handed]:
         """The first ``size`` envs to finish, ascending; or every worker, handed over.
+
+        At ``timeout``, the workers done so far, if their envs are ``min_size`` or more
+        (None: ``size``); fewer raise ``WaitTimeoutError``.
 
         Returns:
             The batch; or, when something is not as usual, what ``hand_over`` returns, with
@@ -292,6 +297,10 @@ class PartsPlane(PartsHandOver):
                     return self._hand_over_all()
                 if until is not None and time.monotonic() >= until:
                     ready = self._done_envs
+                    if min_size is not None and ready >= min_size:  # the deadline's batch
+                        order = self._order[:]
+                        del self._order[:]
+                        return self._take(sorted(order))
                     raise WaitTimeoutError(
                         f"recv() timed out after {timeout} s with {ready} of the {size} envs "
                         "ready; every step is still in flight, call recv() again."
