@@ -36,7 +36,7 @@ def pickle_env_fn(env_fn: Callable[[], Any], env_index: int) -> bytes:
         )
     try:
         return bytes(cloudpickle.dumps(env_fn))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any pickling error is the env_fn's
         raise EnvFnPickleError(  # the pickler's frames say nothing to the user: cut
             f"env {env_index}: env_fn {env_fn!r} cannot be pickled with cloudpickle ({exc}); "
             "build unpicklable resources inside env_fn instead of capturing them.",
