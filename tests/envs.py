@@ -799,3 +799,17 @@ class IncarnationEnv(gym.Env):
 
     def _obs(self) -> np.ndarray:
         return np.array([self.t, self.total, self.incarnation], dtype=np.float64)
+
+
+class BusyEnv(CountingEnv):
+    """Each step computes for ``step_s`` seconds of the CPU (no sleep): an env that computes."""
+
+    def __init__(self, step_s: float = 0.002) -> None:
+        super().__init__(episode_length=1000)
+        self.step_s = step_s
+
+    def step(self, action):
+        until = time.process_time() + self.step_s
+        while time.process_time() < until:
+            pass
+        return super().step(action)

@@ -20,9 +20,10 @@ from multienv import (
     WorkerPlacement,
     create_subprocess_envs,
 )
-from multienv.layout import LONG_STEP_S, MANY_CORES, choose_layout
+from multienv.layout import LONG_STEP_S, MANY_CORES, WAITING_SHARE, choose_layout
 from multienv.worker.runner import EnvRunner
 from tests.envs import (
+    BusyEnv,
     CountingEnv,
     EnvironEcho,
     HangOnStep,
@@ -70,6 +71,49 @@ def test_the_thresholds_sit_between_the_measured_cells():
     assert choose_layout(64, MANY_CORES, LONG_STEP_S * 0.99).envs_per_worker == 8
 
 
+@pytest.mark.parametrize(
+    ("num_envs", "cores", "step_cpu_s", "expected"),
+    [
+        (16, 2, 0.1e-3, 1),  # a 5 ms wait: one env per worker (1,194 against 359 env steps/s)
+        (8, 2, 0.1e-3, 1),
+        (64, 16, 0.1e-3, 1),
+        (64, 2, 1e-3, 6),  # 1 ms of CPU in 5 ms: the cores bind past 6 per worker
+        (16, 2, 5e-3, 8),  # computing all the time: as many workers as cores, as before
+        (16, 2, None, 8),  # not measured: computing
+    ],
+)
+def test_an_env_that_mostly_waits_gets_fewer_envs_per_worker(
+    num_envs, cores, step_cpu_s, expected
+):
+    layout = choose_layout(num_envs, cores, 5e-3, step_cpu_s=step_cpu_s)
+    assert layout.envs_per_worker == expected
+    if step_cpu_s is not None and step_cpu_s < WAITING_SHARE * 5e-3:
+        assert "mostly wait" in layout.reason
+        assert "CPU" in layout.reason
+
+
+def test_a_waiting_env_keeps_one_worker_per_core_in_hot_mode():
+    layout = choose_layout(16, 2, 5e-3, may_oversubscribe=False, step_cpu_s=0.1e-3)
+    assert (layout.envs_per_worker, layout.num_workers) == (8, 2)
+
+
+def test_the_worker_times_the_cpu_of_its_env_s_steps():
+    sleepy = EnvRunner([cloudpickle.dumps(functools.partial(SleepyEnv, step_s=0.003))])
+    busy = EnvRunner([cloudpickle.dumps(BusyEnv)])
+    try:
+        sleepy.build()
+        busy.build()
+        waits = sleepy.measure(0, 0.05, 1000)
+        computes = busy.measure(0, 0.05, 1000)
+    finally:
+        sleepy.close()
+        busy.close()
+    assert waits.step_cpu_s is not None
+    assert waits.step_cpu_s < 0.2 * waits.step_s
+    assert computes.step_cpu_s is not None
+    assert computes.step_cpu_s > 0.5 * computes.step_s
+
+
 def test_hot_mode_and_pinning_keep_one_worker_per_core_at_most():
     layout = choose_layout(64, 16, PONG_S, may_oversubscribe=False)
     assert (layout.envs_per_worker, layout.num_workers) == (4, 16)
@@ -107,7 +151,9 @@ def test_auto_times_env_0_and_shows_what_it_chose(caplog):
         assert 0.002 <= layout.step_s < 0.05
         assert layout.reset_s is not None
         assert layout.reset_s < 0.02
-        expected = choose_layout(4, CORES, layout.step_s)
+        assert layout.step_cpu_s is not None
+        assert layout.step_cpu_s < layout.step_s / 2  # a sleep: it waits
+        expected = choose_layout(4, CORES, layout.step_s, step_cpu_s=layout.step_cpu_s)
         assert (layout.envs_per_worker, layout.num_workers) == (
             expected.envs_per_worker,
             expected.num_workers,

@@ -69,11 +69,14 @@ class StepCost:
         step_s: The median seconds of a step of random actions.
         reset_s: The median seconds of a reset.
         steps: How many steps were timed.
+        step_cpu_s: The median CPU seconds (the worker process's) of those steps: far below
+            ``step_s`` for an env that waits (I/O, a remote simulator) rather than computes.
     """
 
     step_s: float
     reset_s: float
     steps: int
+    step_cpu_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

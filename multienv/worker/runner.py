@@ -189,22 +189,29 @@ class EnvRunner:
         """
         env = self.envs[position]
         space = env.action_space
-        clock = time.perf_counter
+        clock, cpu_clock = time.perf_counter, time.process_time  # wall, and CPU of all threads
         began = clock()
         env.reset()
         resets = [clock() - began]
         steps: list[float] = []
+        cpu: list[float] = []
         deadline = began + budget_s
         while len(steps) < max_steps and (not steps or clock() < deadline):
             action = space.sample()
-            started = clock()
+            started, cpu_started = clock(), cpu_clock()
             _, _, terminated, truncated, _ = env.step(action)
             steps.append(clock() - started)
+            cpu.append(cpu_clock() - cpu_started)
             if terminated or truncated:
                 started = clock()
                 env.reset()
                 resets.append(clock() - started)
-        return StepCost(statistics.median(steps), statistics.median(resets), len(steps))
+        return StepCost(
+            statistics.median(steps),
+            statistics.median(resets),
+            len(steps),
+            statistics.median(cpu),
+        )
 
     def get_state(self, position: int) -> Any:
         """What the env's own ``get_state()`` returns, or else the whole env pickled."""

@@ -1,0 +1,134 @@
+"""Does ``envs_per_worker="auto"`` pick a layout near the best, for envs that compute or wait?
+
+Run:
+    python scripts/bench_auto.py                       # N=8 and 16, about a minute
+    python scripts/bench_auto.py --num-envs 16 --rounds 5
+
+For each kind of env and each N it times the vector's env steps per second with one env per
+worker (k=1), with as many workers as cores (k=ceil(N/cores)) and with ``"auto"``, in
+interleaved rounds (best of the rounds), and prints auto's ratio to the faster of the two:
+
+- computes: each step burns 0.5 ms of CPU;
+- waits: each step sleeps 5 ms (I/O, a remote simulator);
+- mixed: CartPole, but one env in four sleeps 5 ms per step (env 0 among them, so auto's
+  probe of env 0 sees it wait);
+- mixed, env 0 computes: the same with the waiting envs elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+import gymnasium as gym
+import numpy as np
+
+from multienv import MultiEnv
+
+
+@dataclasses.dataclass
+class Args:
+    num_envs: str = "8,16"  # the N to time, comma-separated
+    rounds: int = 3  # interleaved rounds; the best of them counts
+    seconds: float = 2.0  # per cell and round
+
+
+class Computes(gym.Wrapper):
+    """CartPole whose step burns ``cpu_s`` of CPU first."""
+
+    def __init__(self, cpu_s: float) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.cpu_s = cpu_s
+
+    def step(self, action):
+        until = time.process_time() + self.cpu_s
+        while time.process_time() < until:
+            pass
+        return self.env.step(action)
+
+
+class Waits(gym.Wrapper):
+    """CartPole whose step sleeps ``wait_s`` first."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.wait_s = wait_s
+
+    def step(self, action):
+        time.sleep(self.wait_s)
+        return self.env.step(action)
+
+
+def computes(index: int) -> gym.Env:
+    return Computes(0.5e-3)
+
+
+def waits(index: int) -> gym.Env:
+    return Waits(5e-3)
+
+
+def mixed(index: int) -> gym.Env:
+    return Waits(5e-3) if index % 4 == 0 else gym.make("CartPole-v1")
+
+
+def mixed_env_0_computes(index: int) -> gym.Env:
+    return Waits(5e-3) if index % 4 == 3 else gym.make("CartPole-v1")
+
+
+KINDS = {
+    "computes": computes,
+    "waits": waits,
+    "mixed": mixed,
+    "mixed, env 0 computes": mixed_env_0_computes,
+}
+
+
+def steps_per_s(make, num_envs: int, layout, seconds: float) -> tuple[float, str]:
+    fns = [lambda index=index: make(index) for index in range(num_envs)]
+    with MultiEnv(fns, envs_per_worker=layout) as envs:
+        envs.reset(seed=0)
+        actions = np.zeros(num_envs, dtype=np.int64)
+        for _ in range(5):
+            envs.step(actions)
+        began, steps = time.perf_counter(), 0
+        while time.perf_counter() - began < seconds:
+            envs.step(actions)
+            steps += 1
+        rate = steps * num_envs / (time.perf_counter() - began)
+        return rate, f"k={envs.layout.envs_per_worker}"
+
+
+def main(args: Args) -> None:
+    cores = len(os.sched_getaffinity(0))
+    print(f"{cores} cores; env steps/s, best of {args.rounds} interleaved rounds")
+    for num_envs in [int(n) for n in args.num_envs.split(",")]:
+        batched = -(-num_envs // cores)
+        for kind, make in KINDS.items():
+            best = {"k=1": 0.0, f"k={batched}": 0.0, "auto": 0.0}
+            chosen = ""
+            for _ in range(args.rounds):
+                for name, layout in (("k=1", 1), (f"k={batched}", batched), ("auto", "auto")):
+                    rate, picked = steps_per_s(make, num_envs, layout, args.seconds)
+                    best[name] = max(best[name], rate)
+                    if name == "auto":
+                        chosen = picked
+            faster = max(best["k=1"], best[f"k={batched}"])
+            cells = "  ".join(f"{name} {rate:8,.0f}" for name, rate in best.items())
+            print(
+                f"N={num_envs:<3} {kind:<22} {cells}  auto chose {chosen}: "
+                f"{best['auto'] / faster:.2f}x the faster"
+            )
+
+
+def parse_args() -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-envs", default=Args.num_envs)
+    parser.add_argument("--rounds", type=int, default=Args.rounds)
+    parser.add_argument("--seconds", type=float, default=Args.seconds)
+    return Args(**vars(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main(parse_args())
