@@ -178,9 +178,10 @@ class InFlight:
         parts = self.parts
         if parts is None or self._flying:
             return False
-        kept = self._received.keys() | self._failed.keys()
-        if kept and (env_ids is None or not kept.isdisjoint(np.ravel(env_ids).tolist())):
-            return False  # the vector's checks say which env is in flight
+        if self._received or self._failed:
+            kept = self._received.keys() | self._failed.keys()
+            if env_ids is None or not kept.isdisjoint(np.ravel(env_ids).tolist()):
+                return False  # the vector's checks say which env is in flight
         if parts.send(actions, env_ids):
             return True
         self._raise_first(self._adopt(parts.hand_over()))
@@ -273,10 +274,11 @@ class InFlight:
         At ``timeout``, those done if they are ``min_batch`` or more (``MultiEnv.recv``).
         """
         parts = self.parts
-        in_flight = len(self._received) + len(self._failed)
-        in_flight += sum(len(ids) for ids in self._flying.values())
-        if parts is not None:
-            in_flight += parts.num_busy()
+        is_parts_only = not (self._received or self._failed or self._flying)
+        in_flight = 0 if parts is None else parts.num_busy()
+        if not is_parts_only:
+            in_flight += len(self._received) + len(self._failed)
+            in_flight += sum(map(len, self._flying.values()))
         if not in_flight:
             raise EnvStateError("MultiEnv.recv() called with no env in flight; call send() first.")
         size = in_flight if batch_size is None else batch_size
@@ -296,8 +298,9 @@ class InFlight:
         if self._failed:
             self._raise_first({})  # an env's error from an earlier call, before anything else
         deadline = None if timeout is None else time.monotonic() + timeout
-        if parts is not None and parts.is_busy():
-            if not self._received and not self._flying:
+        if is_parts_only or (parts is not None and parts.is_busy()):
+            assert parts is not None
+            if is_parts_only or (not self._received and not self._flying):
                 batch = parts.receive(size, timeout, min_size)
                 if type(batch) is tuple:
                     return batch
@@ -312,6 +315,12 @@ class InFlight:
                 errors = self._adopt(parts.hand_over())
                 errors.update(self._collect(deadline))
                 self._raise_first(errors)
+        return self._recv_collected(size, timeout, min_size, deadline)
+
+    def _recv_collected(
+        self, size: int, timeout: float | None, min_size: int, deadline: float | None
+    ) -> StepBatch:
+        """``recv``'s batch from the envs collected the general way, collecting till it's full."""
         while len(self._received) < size:
             flying = sorted(self._flying)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -296,6 +296,15 @@ class SharedBatch:
         else:
             self._same_slot = None  # observations() finds out again
 
+    def loose_slots(self) -> np.ndarray:
+        """Each env's slot, for a caller that moves envs itself, by writing it (``parts_plane``).
+
+        Every env is taken to be on a slot of its own from now on, until ``move_all_to``.
+        """
+        slots = self._slots()
+        self._same_slot = None
+        return slots
+
     @property
     def slot(self) -> np.ndarray:
         """The slot holding each env's last observation (read-only; ``move_to`` moves)."""
@@ -317,6 +326,11 @@ class SharedBatch:
     def flags(self) -> np.ndarray:
         """The shared terminated (row 0) and truncated (row 1) flags, shape ``(2, num_envs)``."""
         return self._mapping.flags
+
+    @property
+    def info_schema_ids(self) -> np.ndarray:
+        """Each env's info schema id in its last step (0: no info), as its worker wrote it."""
+        return self._mapping.info_schema
 
     @property
     def obs_slots(self) -> np.ndarray | None:

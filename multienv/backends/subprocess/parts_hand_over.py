@@ -44,7 +44,8 @@ class PartsHandOver:
         _counted: np.ndarray
         _extras: dict[int, Outcome]
         _actions: np.ndarray
-        _targets: np.ndarray
+        _obs_rows: np.ndarray
+        _slot_of_row: np.ndarray
         _resets: np.ndarray
         _sent_at: np.ndarray
         _is_next_step: bool
@@ -52,6 +53,8 @@ class PartsHandOver:
         _has_finals: bool
 
         def _note_done(self, number: int) -> None: ...
+
+        def _note_counted(self) -> None: ...
 
         def _forget_workers(self) -> None: ...
 
@@ -86,6 +89,7 @@ class PartsHandOver:
             {env_slice.start + item: extra for item, extra in result.extras.items()}
         )
         self._counted[number] = True
+        self._note_counted()
         self._note_done(number)
         return None
 
@@ -110,7 +114,7 @@ class PartsHandOver:
             self._actions.copy(),
             is_reset,
             self._is_same_step,
-            self._targets.astype(np.int8),  # as the shared slots
+            self._slot_of_row[self._obs_rows],  # as the shared slots
             int(np.count_nonzero(is_reset)),
             has_finals=self._has_finals,
         )
@@ -166,7 +170,7 @@ class PartsHandOver:
         env_slice = self._env_slices[number]
         supervisor.finish()  # the DONE_OK record written anew: it returns at once
         shared = self._shared
-        shared.move_to(env_slice, self._targets[env_slice])
+        shared.move_to(env_slice, self._slot_of_row[self._obs_rows[env_slice]])
         flags = shared.flags
         result = BatchResult(
             shared.rewards[env_slice].copy(),

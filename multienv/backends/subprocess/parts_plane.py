@@ -73,12 +73,15 @@ class PartsPlane(PartsHandOver):
     # Slots, not a __dict__: past 30 attributes CPython looks every ``self.x`` up the slow
     # way (as ``DataPlane``'s, ``tests/test_multi_env.py``).
     __slots__ = tuple(
-        "_action_dtype _action_shape _actions _add_info _autoreset _busy_envs _changes "
-        "_counted _counters _deadlines _done _done_envs _done_mv _done_read _env_ranges "
-        "_env_slices _extras _flag_of_slot _flags _flying _flying_mv _has_finals _held _id_bytes "
-        "_is_disabled _is_next_step _is_same_step _needs_reset _next _obs_slots _order "
-        "_plan_flags _plane _resets _returned _rewards _sent_at _sent_mv _seqs _seqs_mv "
-        "_shared _size_list _sizes _starts _supervisors _targets _worker_of resent sent".split()
+        "_action_dtype _action_shape _actions _add_info _any_counted _autoreset "
+        "_busy_envs _changes _counted _counters _deadlines _done _done_envs _done_mv "
+        "_done_read _env_ranges _env_slices _extras _flag_of_row _flag_of_slot _flags "
+        "_flying _flying_mv _has_finals _held _id_bytes _info_ids _is_disabled "
+        "_is_next_step _is_same_step _is_unthanked _is_wide _needs_reset _next _obs_flat "
+        "_obs_rows _order _other_row _plan_flags _plane _resets _returned _rewards "
+        "_sent_at _sent_mv _seqs _seqs_mv _shared _size_list _sizes _slot _slot_of_row "
+        "_starts _supervisors _terminated _timeouts _truncated _wake_fds _worker_of "
+        "resent sent".split()
     )
 
     def __init__(self, plane: DataPlane, shared: SharedBatch, vector: VectorParts) -> None:
@@ -112,10 +115,28 @@ class PartsPlane(PartsHandOver):
         self._actions = shared.actions
         self._action_shape = shared.actions.shape[1:]
         self._action_dtype = shared.actions.dtype
+        # Actions of more than one number are written by slice when they can be: an index
+        # array writes rows at four times a slice's cost (one number: a fifth less).
+        self._is_wide = len(self._action_shape) > 0
         self._plan_flags = shared.plan_flags
-        self._obs_slots = shared.obs_slots
+        # Both slots of every env's observation as rows of one array: env e's slot s is row
+        # s * num_envs + e (None when nested). The step in flight writes each env's row in
+        # ``_obs_rows``; a row's slot, the other slot's row and its item flags are looked up.
+        obs_slots = shared.obs_slots
+        self._obs_flat = None if obs_slots is None else obs_slots.reshape(-1, *obs_slots.shape[2:])
+        rows = np.arange(2 * num_envs)
+        self._slot_of_row = (rows >= num_envs).astype(np.int8)  # as the shared slots
+        self._other_row = (rows + num_envs) % (2 * num_envs)
+        self._flag_of_row = self._flag_of_slot[self._slot_of_row]
+        self._obs_rows = np.arange(num_envs, dtype=np.intp)
+        self._slot = np.empty(0, dtype=np.int8)  # each env's shared slot, once ``_enter``ed
+        self._wake_fds: list[int] = []
+        self._timeouts: np.ndarray | None = None
+        self._is_unthanked = False
         self._rewards = shared.rewards
         self._flags = shared.flags  # (2, num_envs): terminated, truncated
+        self._terminated, self._truncated = self._flags[0], self._flags[1]
+        self._info_ids = shared.info_schema_ids
         self._needs_reset = vector.autoreset.needs_reset_array
         # By worker: stepping (sent, no record read), done (its record read, not returned),
         # when each was sent, its deadline, and the order the done ones finished in.
@@ -129,16 +150,17 @@ class PartsPlane(PartsHandOver):
         self._seqs_mv = self._seqs.data
         self._sent_mv: Any = self._sent_at.data  # of floats, which memoryview's type lacks
         self._busy_envs = self._done_envs = 0  # envs of the flying and done workers; done
-        # By env, for the step in flight: its observation's slot, and whether it resets
-        # (only under next-step autoreset; else never set).
-        self._targets = np.zeros(num_envs, dtype=np.intp)  # (an index: no cast to one)
+        # By env, for the step in flight: whether it resets (only under next-step
+        # autoreset; else never set).
         self._resets = np.zeros(num_envs, dtype=np.bool_)
         # Done workers whose messages their supervisors read (and counted), and what the
         # messages said beyond the shared arrays, by env (made infos when returned).
         self._counted = np.zeros(num_workers, dtype=np.bool_)
-        # The steps returned and not yet counted, as ``(ids, resets or None, ended)``: the
-        # counters take them together (``flush_counts``), before anyone reads them.
-        self._held: list[tuple[np.ndarray, np.ndarray | None, np.ndarray]] = []
+        self._any_counted = False  # whether any is
+        # The steps returned and not yet counted, as the bytes of their ids, resets (under
+        # next-step autoreset) and ends: the counters take them together (``flush_counts``),
+        # before anyone reads them. (Bytes: their join costs a tenth of ``np.concatenate``.)
+        self._held: list[tuple[bytes, bytes, bytes]] = []
         self._extras: dict[int, Outcome] = {}
         # The batch ``recv`` returned last, as a send of those envs would find it: the bytes
         # of its env ids, the change count then, and what ``_send_returned`` writes.
@@ -203,15 +225,15 @@ class PartsPlane(PartsHandOver):
             or (workers & (self._flying | self._done)).any()
         ):
             return False
-        if not self.is_busy() and not self._plane.enter_parts():
+        if not self._busy_envs and not self._enter():
             return False
         needs_reset = self._autoreset.needs_reset_array
         if self._is_disabled and needs_reset[ids].any():
             return False  # the vector's checks say which env must be reset first
-        targets = 1 - self._shared.slot[ids]
+        targets = 1 - self._slot[ids]
         self._actions[ids] = actions  # a reset's action is not read
         self._plan_flags[ids] = self._flag_of_slot[targets]
-        self._targets[ids] = targets
+        self._obs_rows[ids] = targets * num_envs + ids
         if self._is_next_step:  # the worker resets an env whose last step ended
             self._resets[ids] = needs_reset[ids]
         self._start(np.flatnonzero(workers).tolist(), len(ids))
@@ -219,19 +241,30 @@ class PartsPlane(PartsHandOver):
 
     def _send_returned(self, actions: np.ndarray) -> bool:
         """``send`` of the envs the last ``recv`` returned, as it worked them out then."""
-        _, _, ids, numbers, targets, plan_flags, resets, ended = self._next
+        _, _, ids, where, numbers, rows, plan_flags, resets, ended = self._next
         self._returned = _NO_IDS
-        if not self._busy_envs and not self._plane.enter_parts():
+        if not self._busy_envs and not self._enter():
             return False
         if self._is_disabled and ended:
             return False  # the vector's checks say which env must be reset first
-        self._actions[ids] = actions  # a reset's action is not read
+        self._actions[where] = actions  # a reset's action is not read
         self._plan_flags[ids] = plan_flags
-        self._targets[ids] = targets
+        self._obs_rows[ids] = rows
         if resets is not None:
             self._resets[ids] = resets
         self.resent += 1
-        self._start(numbers, len(ids))
+        self._start(numbers, len(plan_flags))
+        return True
+
+    def _enter(self) -> bool:
+        """Ready the workers for the parts plane, from none in flight (``enter_parts``)."""
+        plane = self._plane
+        if not plane.enter_parts():
+            return False
+        self._slot = self._shared.loose_slots()
+        # As the plane's check left them: it checks again only when none is in flight here.
+        self._wake_fds, self._timeouts = plane.wake_fds, plane.timeouts
+        self._is_unthanked = plane.is_unthanked()
         return True
 
     def _start(self, numbers: list[int], num_envs: int) -> None:
@@ -242,14 +275,14 @@ class PartsPlane(PartsHandOver):
             seqs[number] = seqs[number] % 255 + 1
             flying[number] = True
             sent_at[number] = now
-        timeouts = self._plane.timeouts
+        timeouts = self._timeouts
         if timeouts is not None:
             workers = np.zeros(len(self._flying), dtype=np.bool_)
             workers[numbers] = True
             self._deadlines[workers] = self._deadline_after(now, workers, timeouts)
         self._busy_envs += num_envs
         self.sent += 1
-        wake_fds = self._plane.wake_fds
+        wake_fds = self._wake_fds
         woken = 0
         try:
             for number in numbers:
@@ -286,7 +319,7 @@ class PartsPlane(PartsHandOver):
         until = None if timeout is None else time.monotonic() + timeout
         while self._done_envs < size:
             wake_at = until
-            if self._plane.timeouts is not None:
+            if self._timeouts is not None:
                 deadline = float(self._deadlines[self._flying].min())
                 if deadline != np.inf:
                     late = time.monotonic() + (deadline - time.perf_counter())
@@ -344,52 +377,83 @@ class PartsPlane(PartsHandOver):
 
     def _take(self, numbers: list[int]) -> StepBatch:
         """Return the steps of these done workers (taken off ``_order``), in env order."""
-        done, id_bytes = self._done_mv, self._id_bytes
+        done = self._done_mv
         if len(numbers) == 1:
-            ids, returned = self._env_ranges[numbers[0]], id_bytes[numbers[0]]
-        else:  # (half ``np.concatenate``'s cost)
-            returned = b"".join([id_bytes[number] for number in numbers])
-            ids = np.frombuffer(returned, dtype=np.int64)  # read-only
-        for number in numbers:
+            number = numbers[0]
+            ids, returned = self._env_ranges[number], self._id_bytes[number]
+            where: Any = self._env_slices[number] if self._is_wide else ids
             done[number] = False
-        self._done_envs -= len(ids)
-        self._busy_envs -= len(ids)
-        shared = self._shared
-        targets = self._targets[ids]
-        shared.move_to(ids, targets)
+        else:  # (half ``np.concatenate``'s cost)
+            id_bytes = self._id_bytes
+            returned = b"".join([id_bytes[number] for number in numbers])
+            ids = where = np.frombuffer(returned, dtype=np.int64)  # read-only
+            for number in numbers:
+                done[number] = False
+        size = len(ids)
+        self._done_envs -= size
+        self._busy_envs -= size
+        rows = self._obs_rows[ids]
+        self._slot[ids] = self._slot_of_row[rows]
         rewards = self._rewards[ids]
-        # (a quarter of ``[:, ids]``'s cost)
-        terminated, truncated = self._flags.take(ids, axis=1)
+        terminated = self._terminated[ids]
+        truncated = self._truncated[ids]
         ended = terminated | truncated
-        if self._is_next_step or self._is_disabled:
+        if not self._is_same_step:
             self._needs_reset[ids] = ended
-        next_targets = 1 - targets
+        next_rows = self._other_row[rows]
         self._next = (
             self._changes[0],
-            (len(ids), *self._action_shape),
+            (size, *self._action_shape),
             ids,
+            where,
             numbers,
-            next_targets,
-            self._flag_of_slot[next_targets],
+            next_rows,
+            self._flag_of_row[next_rows],
             ended if self._is_next_step else None,
             self._is_disabled and bool(ended.any()),
         )
         self._returned = returned
         resets = self._resets[ids] if self._is_next_step else None
-        if np.count_nonzero(self._counted):  # their supervisors counted them (``_collect_reply``)
+        if self._any_counted:  # their supervisors counted them (``_collect_reply``)
             uncounted = ~self._counted[self._worker_of[ids]]
             self._counted[numbers] = False
-            if resets is not None:
-                resets = resets[uncounted]
-            self._held.append((ids[uncounted], resets, ended[uncounted]))
+            self._any_counted = bool(self._counted.any())
+            self._held.append(
+                (
+                    ids[uncounted].tobytes(),
+                    b"" if resets is None else resets[uncounted].tobytes(),
+                    ended[uncounted].tobytes(),
+                )
+            )
         else:
-            self._held.append((ids, resets, ended))
+            self._held.append(
+                (returned, b"" if resets is None else resets.tobytes(), ended.tobytes())
+            )
         if len(self._held) == _HELD_BATCHES:
             self.flush_counts()
-        if self._obs_slots is not None:
-            observations = self._obs_slots[targets, ids]
+        if self._obs_flat is not None:
+            observations = self._obs_flat.take(rows, axis=0)
         else:
-            observations = shared.observations(ids.tolist(), copy=True)
+            observations = self._shared.observations(ids.tolist(), copy=True)
+        if self._extras or self._has_finals or np.count_nonzero(self._info_ids[ids]):
+            infos = self._infos(ids, ended)
+        else:
+            infos = {}
+        infos["env_id"] = ids.copy()
+        latencies, now, sent_at = self._counters.latencies, time.perf_counter(), self._sent_mv
+        values, count, window = latencies.values, latencies.count, latencies.size
+        for number in numbers:
+            values[count % window] = now - sent_at[number]
+            count += 1
+        latencies.count = count
+        if self._is_unthanked:
+            self._is_unthanked = False
+            self._plane.thank_workers()
+        return observations, rewards, terminated, truncated, infos
+
+    def _infos(self, ids: np.ndarray, ended: np.ndarray) -> dict[str, Any]:
+        """The infos of these envs' steps: their rows, and the messages kept in ``_extras``."""
+        shared = self._shared
         pickled = {}
         if self._extras:
             step_info = self._autoreset.step_info
@@ -401,17 +465,7 @@ class PartsPlane(PartsHandOver):
             in_memory = [env for env in ids[ended].tolist() if env not in pickled]
             if in_memory:
                 pickled.update(shared.finals(np.array(in_memory, dtype=np.intp)))
-        infos = _rows(shared.infos.merge(pickled, ids, self._add_info), ids)
-        infos["env_id"] = ids.copy()
-        latencies, now, sent_at = self._counters.latencies, time.perf_counter(), self._sent_mv
-        values, count, window = latencies.values, latencies.count, latencies.size
-        for number in numbers:
-            values[count % window] = now - sent_at[number]
-            count += 1
-        latencies.count = count
-        if self._plane.is_unthanked():
-            self._plane.thank_workers()
-        return observations, rewards, terminated, truncated, infos
+        return _rows(shared.infos.merge(pickled, ids, self._add_info), ids)
 
     def flush_counts(self) -> None:
         """Count the steps and episodes of the batches returned since the last flush."""
@@ -419,11 +473,11 @@ class PartsPlane(PartsHandOver):
         if not held:
             return
         self._held = []
-        resets = np.concatenate([batch[1] for batch in held]) if self._is_next_step else None
+        ids, resets, ended = (b"".join(column) for column in zip(*held, strict=True))
         self._counters.note_batches(
-            np.concatenate([batch[0] for batch in held]),
-            resets,
-            np.concatenate([batch[2] for batch in held]),
+            np.frombuffer(ids, dtype=np.int64),
+            np.frombuffer(resets, dtype=np.bool_) if self._is_next_step else None,
+            np.frombuffer(ended, dtype=np.bool_),
         )
 
     def _forget_workers(self) -> None:
@@ -431,6 +485,7 @@ class PartsPlane(PartsHandOver):
         self._flying[:] = False
         self._done[:] = False
         self._counted[:] = False
+        self._any_counted = False
         self._order.clear()
         self._busy_envs = self._done_envs = 0
         self._returned = _NO_IDS
@@ -441,6 +496,10 @@ class PartsPlane(PartsHandOver):
         self._done_mv[number] = True
         self._order.append(number)
         self._done_envs += self._size_list[number]
+
+    def _note_counted(self) -> None:
+        """A done worker's steps were counted by its supervisor (``_collect_reply``)."""
+        self._any_counted = True
 
     def _deadline_after(self, sent_at: float, workers: np.ndarray, timeouts: np.ndarray) -> Any:
         """When each sent worker is late: its envs' step and reset timeouts (inf: never)."""
