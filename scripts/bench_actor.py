@@ -1,0 +1,307 @@
+"""Time the actor loop with a policy between calls: ``step()`` against ``send``/``recv``.
+
+Run:
+    python scripts/bench_actor.py                        # pong:16 and halfcheetah:16, a
+                                                         # sleeping policy of 0, 1, 2, 5 ms
+                                                         # and of half a batch's env time
+    python scripts/bench_actor.py --cells cheap:16 --latencies 0,1 --policy busy --rounds 2
+    python scripts/bench_actor.py --dispatch             # TorchRL's "dispatch" workload
+    python scripts/bench_actor.py --slow-reset           # TorchRL's "fast step, slow reset"
+
+A training loop does not call the vector back to back: between two calls its policy runs
+(and its learner, now and then). A policy on a GPU leaves the CPU free while it runs, which
+``--policy sleep`` (the default) stands for; ``--policy busy`` spins on the parent's CPU
+instead, as a policy on the CPU does. Each row's loop, with the policy's latency L per call:
+
+- ``step()``: the policy (L) for the whole batch, then ``step`` of every env;
+- ``send/recv``: ``recv(batch_size=N // 2)``, the policy (L) for those envs, then ``send``
+  of their actions: the other half steps while the policy runs (EnvPool's loop);
+- ``ale-py sync`` / ``ale-py async`` (Pong): ale-py's own ``AtariVectorEnv``, as a peer,
+  the same two loops (``batch_size=N // 2`` for the second).
+
+Both multienv rows run the default layout (``envs_per_worker`` as many workers as cores),
+every sample in a fresh process, the rows interleaved in rounds; figures are medians over
+rounds and each ratio ("x step") is the median of the ratios within one round, so a noisy
+neighbour slows both sides alike. "half" as a latency is half the time one ``step()`` of
+the whole batch takes with no policy, measured in the first round: the policy latency at
+which the half in flight has just the time it needs.
+
+``--dispatch``: 8 envs that return at once (no work), harvested as they come: ``recv`` of
+one worker's envs at a time, at k=1 and k=4, against ``step()`` of the same layout; the
+parent's CPU per transition beside. ``--slow-reset``: 32 envs whose steps take 1 ms of
+sleep and whose resets take 200 ms every 200 steps: the ceiling is 32 envs x 1 step per
+2 ms on average (what the envs allow, with nothing waiting on a reset).
+
+EnvPool (Python >= 3.12) and TorchRL's AsyncEnvPool (torch >= 2.11) are the other peers the
+issue names; they are measured when installed (neither installs on this machine's Python
+3.11 without a CUDA build of torch), and skipped with a note otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import ALE_MATCHED, REAL_WORKLOADS, WORKLOADS, is_installed
+
+ROWS = ("step()", "send/recv")
+ALE_ROWS = ("ale-py sync", "ale-py async")
+
+
+class ZeroEnv(gym.Env[np.ndarray, int]):
+    """Returns at once: the dispatch workload's env."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[Any, dict]:
+        super().reset(seed=seed)
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action: int) -> tuple[Any, float, bool, bool, dict]:
+        return np.zeros(4, np.float32), 0.0, False, False, {}
+
+
+class SlowResetEnv(ZeroEnv):
+    """1 ms per step (sleeping); every 200 steps the episode ends, and its reset takes 200 ms."""
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[Any, dict]:
+        if self.t:
+            time.sleep(0.2)
+        self.t = 0
+        return super().reset(seed=seed)
+
+    def step(self, action: int) -> tuple[Any, float, bool, bool, dict]:
+        time.sleep(0.001)
+        self.t += 1
+        return np.zeros(4, np.float32), 0.0, self.t >= 200, False, {}
+
+
+def make_fns(workload: str, n: int) -> list[Any]:
+    if workload == "dispatch":
+        return [ZeroEnv] * n
+    if workload == "slowreset":
+        return [SlowResetEnv] * n
+    return [WORKLOADS[workload][0]] * n
+
+
+def policy(latency_s: float, busy: bool) -> None:
+    """The policy's time between two calls: asleep (a GPU's) or spinning (a CPU's)."""
+    if latency_s <= 0:
+        return
+    if busy:
+        end = time.perf_counter() + latency_s
+        while time.perf_counter() < end:
+            pass
+    else:
+        time.sleep(latency_s)
+
+
+def sample(
+    row: str, workload: str, n: int, k: int | None, latency_s: float, busy: bool, seconds: float
+) -> dict[str, float]:
+    """One row's env steps per second (and the parent's CPU per env step), in this process."""
+    from multienv import MultiEnv
+
+    if row.startswith("ale-py"):
+        from ale_py.vector_env import AtariVectorEnv
+
+        batch = n // 2 if row == "ale-py async" else 0
+        envs: Any = AtariVectorEnv("pong", n, batch_size=batch, **ALE_MATCHED)
+    else:
+        envs = MultiEnv(make_fns(workload, n), envs_per_worker=k or 1)
+    try:
+        bank = [envs.action_space.sample() for _ in range(16)]
+        envs.reset(seed=0)
+        is_async = row in ("send/recv", "ale-py async")
+        if is_async and row.startswith("ale-py"):  # its reset returned the first batch
+            envs.send(bank[0][: n // 2])
+        elif is_async:
+            envs.send(bank[0])
+        half = n // 2 if workload != "dispatch" else (k or 1)
+
+        def cycle(t: int) -> int:
+            if not is_async:
+                policy(latency_s, busy)
+                envs.step(bank[t % 16])
+                return n
+            if row.startswith("ale-py"):  # its send steps the envs its last recv returned
+                *_, infos = envs.recv()
+                policy(latency_s, busy)
+                envs.send(bank[t % 16])
+                return len(infos["env_id"])
+            *_, infos = envs.recv(batch_size=half)
+            ids = infos["env_id"]
+            policy(latency_s, busy)
+            envs.send(bank[t % 16][ids], ids)
+            return len(ids)
+
+        t, began = 0, time.perf_counter()
+        while time.perf_counter() - began < min(1.0, seconds / 3):  # warm-up
+            cycle(t)
+            t += 1
+        steps, began, cpu = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - began < seconds:
+            steps += cycle(t)
+            t += 1
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+        if is_async and not row.startswith("ale-py"):
+            envs.recv()
+        return {"steps_per_s": steps / wall, "cpu_us": cpu / steps * 1e6, "call_s": wall / t}
+    finally:
+        envs.close()
+
+
+def run_child(args: argparse.Namespace) -> None:
+    spec = json.loads(args.child)
+    print(json.dumps(sample(**spec)))
+
+
+def measure(spec: dict[str, Any]) -> dict[str, float]:
+    command = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{spec}: {done.stderr[-2000:]}")
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def table(
+    title: str,
+    specs: dict[str, dict[str, Any]],
+    base: str,
+    rounds: int,
+) -> dict[str, dict[str, float]]:
+    """Measure each spec once per round, interleaved; print the medians and ratios."""
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in specs}
+    for _ in range(rounds):
+        for name, spec in specs.items():
+            samples[name].append(measure(spec))
+    print(f"\n{title}")
+    print(f"  {'row':<30}{'steps/s':>11}  {'x ' + base:>18}{'CPU us/step':>13}")
+    out = {}
+    for name in specs:
+        rates = [s["steps_per_s"] for s in samples[name]]
+        ratios = [
+            a["steps_per_s"] / b["steps_per_s"]
+            for a, b in zip(samples[name], samples[base], strict=True)
+        ]
+        out[name] = {
+            "steps_per_s": statistics.median(rates),
+            "x": statistics.median(ratios),
+            "cpu_us": statistics.median(s["cpu_us"] for s in samples[name]),
+            "call_s": statistics.median(s["call_s"] for s in samples[name]),
+        }
+        row = out[name]
+        print(f"  {name:<30}{row['steps_per_s']:>11,.0f}  {row['x']:>18.2f}{row['cpu_us']:>13.1f}")
+    sys.stdout.flush()
+    return out
+
+
+def per_core(n: int) -> int:
+    return -(-n // len(os.sched_getaffinity(0)))
+
+
+def training(args: argparse.Namespace) -> None:
+    busy = args.policy == "busy"
+    for cell in args.cells.split(","):
+        workload, n_text = cell.split(":")
+        n = int(n_text)
+        module = REAL_WORKLOADS.get(workload)
+        if module is not None and not is_installed(module):
+            print(f"\n{cell}: skipped, {module} is not installed (pip install -e '.[bench]')")
+            continue
+        k = per_core(n)
+        half_s = None
+        for latency in args.latencies.split(","):
+            if latency == "half":
+                if half_s is None:
+                    base = {"row": "step()", "workload": workload, "n": n, "k": k}
+                    base |= {"latency_s": 0.0, "busy": busy, "seconds": args.seconds}
+                    half_s = measure(base)["call_s"] / 2
+                latency_s = half_s
+            else:
+                latency_s = float(latency) / 1000
+            common = {"workload": workload, "n": n, "latency_s": latency_s, "busy": busy}
+            common["seconds"] = args.seconds
+            specs = {f"multienv {row} k={k}": {"row": row, "k": k, **common} for row in ROWS}
+            if workload == "pong" and is_installed("ale_py.vector_env"):
+                specs |= {row: {"row": row, "k": None, **common} for row in ALE_ROWS}
+            title = f"{cell}, {args.policy} policy of {latency_s * 1000:.2f} ms per call" + (
+                " (half a batch's env time)" if latency == "half" else ""
+            )
+            out = table(title, specs, f"multienv step() k={k}", args.rounds)
+            if workload == "pong" and "ale-py sync" in out:
+                gain = out["ale-py async"]["steps_per_s"] / out["ale-py sync"]["steps_per_s"]
+                ours = out[f"multienv send/recv k={k}"]["x"]
+                print(f"  async over sync: multienv {ours:.2f}, ale-py {gain:.2f}")
+    for peer, module in (("EnvPool", "envpool"), ("TorchRL AsyncEnvPool", "torchrl")):
+        if not is_installed(module):
+            print(f"\n{peer}: not installed here, not measured")
+
+
+def dispatch(args: argparse.Namespace) -> None:
+    for k in (1, 4):
+        common = {"workload": "dispatch", "n": 8, "k": k, "latency_s": 0.0, "busy": False}
+        common["seconds"] = args.seconds
+        specs = {f"step() k={k}": {"row": "step()", **common}}
+        specs[f"send/recv k={k}, as they come"] = {"row": "send/recv", **common}
+        table(f"dispatch: 8 envs that return at once, k={k}", specs, f"step() k={k}", args.rounds)
+
+
+def slow_reset(args: argparse.Namespace) -> None:
+    n = 32
+    k = per_core(n)
+    common = {"workload": "slowreset", "n": n, "latency_s": 0.0, "busy": False}
+    common["seconds"] = max(args.seconds, 4.0)
+    specs = {}
+    for kk in sorted({1, k}):
+        specs[f"step() k={kk}"] = {"row": "step()", "k": kk, **common}
+        specs[f"send/recv k={kk}"] = {"row": "send/recv", "k": kk, **common}
+    out = table(
+        "fast step, slow reset: 32 envs, 1 ms steps, 200 ms reset / 200 steps",
+        specs,
+        f"step() k={k}",
+        args.rounds,
+    )
+    ceiling = n / 0.002
+    for name, row in out.items():
+        print(f"  {name:<30} {row['steps_per_s'] / ceiling:.2f} of the ceiling ({ceiling:,.0f}/s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cells", default="pong:16,halfcheetah:16")
+    parser.add_argument("--latencies", default="0,1,2,5,half", help="ms per call, or half")
+    parser.add_argument("--policy", choices=("sleep", "busy"), default="sleep")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--dispatch", action="store_true")
+    parser.add_argument("--slow-reset", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        run_child(args)
+    elif args.dispatch:
+        dispatch(args)
+    elif args.slow_reset:
+        slow_reset(args)
+    else:
+        training(args)
+
+
+if __name__ == "__main__":
+    main()
