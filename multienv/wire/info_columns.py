@@ -184,6 +184,22 @@ class _Known:
             infos[mask_key] = masks[row]
         return infos
 
+    def rows_columns(
+        self, floats: np.ndarray, ints: np.ndarray, rows: np.ndarray
+    ) -> dict[str, Any]:
+        """The infos of some envs, all of this schema: ``whole_columns`` of those rows."""
+        blocks = []
+        for is_float, cells, dtype in self.blocks:
+            source = (floats if is_float else ints).take(rows, axis=0)[:, cells].T
+            blocks.append(source.copy() if source.dtype == dtype else source.astype(dtype, "C"))
+        masks = np.empty((len(self.layout), len(rows)), dtype=np.bool_)
+        masks.fill(True)
+        infos: dict[str, Any] = {}
+        for row, (key, mask_key, block, block_row) in enumerate(self.layout):
+            infos[key] = blocks[block][block_row]
+            infos[mask_key] = masks[row]
+        return infos
+
 
 _NO_ROWS = _Known(InfoSchema((), ()), (), (), ())  # ``_whole_schema``: no env has a row
 
@@ -249,6 +265,8 @@ class ColumnReader:
         )
         # The schema ids of every env, as bytes -> the one schema they all name, or None
         self._whole: dict[bytes, _Known | None] = {} if schemas is None else schemas._whole
+        # The same for some envs (``rows_columns``): their ids' bytes and their schema ids'
+        self._some: dict[bytes, _Known | None] = {} if schemas is None else schemas._some
 
     def register(self, worker_number: int, schemas: Sequence[tuple[int, InfoSchema]]) -> None:
         """Note the schemas a worker numbered; it sends them before the rows that use them."""
@@ -260,6 +278,7 @@ class ColumnReader:
                     self._known.append(_Known.of(schema))
                 self._table[worker_number, schema_id] = global_id
             self._whole.clear()
+            self._some.clear()
 
     def merge(
         self, pickled: dict[int, dict[str, Any]], fresh: slice | np.ndarray, add_info: AddInfo
@@ -324,6 +343,27 @@ class ColumnReader:
             if known is not None:
                 infos[env_index] = self._row_info(known, env_index)
         return infos
+
+    def rows_columns(self, env_ids: np.ndarray) -> dict[str, Any] | None:
+        """The infos of envs ``env_ids`` when their rows all hold one schema; else None.
+
+        What ``merge`` of those envs (nothing pickled) gives, taken at the rows ``env_ids``:
+        one copy per dtype, as ``whole_columns``. None: rows of several schemas, or none;
+        ``merge`` then says.
+        """
+        local = self._ids[env_ids]
+        key = env_ids.tobytes() + local.tobytes()
+        known = self._some.get(key, _NO_ROWS)
+        if known is _NO_ROWS:
+            global_ids = self._table[self._worker_of_env[env_ids], local]
+            first = int(global_ids[0])
+            known = self._known[first] if first and (global_ids == first).all() else None
+            if len(self._some) >= _MAX_WHOLE:
+                self._some.clear()
+            self._some[key] = known
+        if known is None:
+            return None
+        return known.rows_columns(self._floats, self._ints, env_ids)
 
     def _whole_schema(self) -> _Known | None:
         """The schema of every env's row, if they all have the same one; else None.

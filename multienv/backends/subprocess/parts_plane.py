@@ -454,6 +454,10 @@ class PartsPlane(PartsHandOver):
     def _infos(self, ids: np.ndarray, ended: np.ndarray) -> dict[str, Any]:
         """The infos of these envs' steps: their rows, and the messages kept in ``_extras``."""
         shared = self._shared
+        if not self._extras and not self._has_finals:
+            infos = shared.infos.rows_columns(ids)
+            if infos is not None:  # the usual: one schema, nothing pickled
+                return infos
         pickled = {}
         if self._extras:
             step_info = self._autoreset.step_info
