@@ -16,8 +16,9 @@ instead, as a policy on the CPU does. Each row's loop, with the policy's latency
 - ``step()``: the policy (L) for the whole batch, then ``step`` of every env;
 - ``send/recv``: ``recv(batch_size=N // 2)``, the policy (L) for those envs, then ``send``
   of their actions: the other half steps while the policy runs (EnvPool's loop); at the
-  default layout, and at twice as many workers as cores (``k=N/(2 cores)``), so that the
-  half in flight has a worker on every core while the parent runs the policy;
+  default layout, and at one env per worker (``k=1``), where ``recv`` takes the first envs
+  done from any worker, so that no worker's slowest env holds back its others (``step()``
+  at k=1 beside it);
 - ``ale-py sync`` / ``ale-py async`` (Pong): ale-py's own ``AtariVectorEnv``, as a peer,
   the same two loops (``batch_size=N // 2`` for the second).
 
@@ -240,10 +241,9 @@ def training(args: argparse.Namespace) -> None:
             common = {"workload": workload, "n": n, "latency_s": latency_s, "busy": busy}
             common["seconds"] = args.seconds
             specs = {f"multienv {row} k={k}": {"row": row, "k": k, **common} for row in ROWS}
-            half_k = max(1, -(-k // 2))  # twice as many workers as cores: each half fills them
-            if half_k != k:
-                spec = {"row": "send/recv", "k": half_k, **common}
-                specs[f"multienv send/recv k={half_k}"] = spec
+            if k != 1:  # one env per worker: recv takes the first envs done, from any worker
+                specs["multienv send/recv k=1"] = {"row": "send/recv", "k": 1, **common}
+                specs["multienv step() k=1"] = {"row": "step()", "k": 1, **common}
             if workload == "pong" and is_installed("ale_py.vector_env"):
                 specs |= {row: {"row": row, "k": None, **common} for row in ALE_ROWS}
             title = f"{cell}, {args.policy} policy of {latency_s * 1000:.2f} ms per call" + (
