@@ -14,6 +14,8 @@ Run:
                                          # and AsyncVectorEnv, which every ratio needs)
     pip install -e ".[bench]"            # adds SB3 to the comparison (install torch's CPU
                                          # build first on a machine without a GPU)
+    python scripts/bench_actor.py        # the actor loop: a policy's latency between calls,
+                                         # step() against send/recv, in its own script
 
 PufferLib (``pufferlib.vector.Multiprocessing``, 1 and 2 workers, all envs in one batch) is
 measured when it is installed; it is not a dependency of multienv (README.rst says how it was
