@@ -81,6 +81,30 @@ def test_rows_merge_exactly_as_add_info_for_every_info_shape(worker_of_env):
                 assert merged[key].dtype == gymnasium.merge(infos_by_env)[key].dtype, key
 
 
+def test_rows_of_some_envs_come_as_gymnasium_merges_them_when_one_schema_holds_them():
+    """``rows_columns``: the infos of a recv's envs, as ``merge`` cut to them; None if mixed."""
+    num_envs, worker_of_env = 6, [0, 0, 1, 1, 2, 2]
+    writers, reader = _columns(num_envs, worker_of_env)
+    rng = np.random.default_rng(1)
+    shapes = [lambda step: {"x": step + 0.5, "n": step}, lambda step: {"y": float(step)}]
+    seen = {True: 0, False: 0}
+    for step in range(40):
+        infos_by_env = {e: shapes[int(rng.integers(2))](step) for e in range(num_envs)}
+        for env_index, info in infos_by_env.items():
+            assert writers[worker_of_env[env_index]].write(env_index, info)
+        for worker_number, writer in enumerate(writers):
+            reader.register(worker_number, writer.take_pending())
+        ids = np.sort(rng.permutation(num_envs)[: int(rng.integers(1, num_envs + 1))])
+        rows = reader.rows_columns(ids.astype(np.int64))
+        keys = {tuple(infos_by_env[e]) for e in ids.tolist()}
+        seen[rows is not None] += 1
+        assert (rows is None) == (len(keys) > 1), f"step {step}"
+        if rows is not None:
+            sub = {row: infos_by_env[e] for row, e in enumerate(ids.tolist())}
+            assert_same_tree(rows, _Gymnasium(len(ids)).merge(sub), f"step {step}")
+    assert seen[True] and seen[False]  # both ways were taken
+
+
 def test_a_step_without_infos_after_one_with_rows_and_back_merges_as_add_info():
     writers, reader = _columns(4, [0, 0, 1, 1])
     gymnasium = _Gymnasium(4)

@@ -300,7 +300,7 @@ class InFlight:
         deadline = None if timeout is None else time.monotonic() + timeout
         if is_parts_only or (parts is not None and parts.is_busy()):
             assert parts is not None
-            if is_parts_only or (not self._received and not self._flying):
+            if not self._received and not self._flying:
                 batch = parts.receive(size, timeout, min_size)
                 if type(batch) is tuple:
                     return batch
@@ -315,12 +315,6 @@ class InFlight:
                 errors = self._adopt(parts.hand_over())
                 errors.update(self._collect(deadline))
                 self._raise_first(errors)
-        return self._recv_collected(size, timeout, min_size, deadline)
-
-    def _recv_collected(
-        self, size: int, timeout: float | None, min_size: int, deadline: float | None
-    ) -> StepBatch:
-        """``recv``'s batch from the envs collected the general way, collecting till it's full."""
         while len(self._received) < size:
             flying = sorted(self._flying)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

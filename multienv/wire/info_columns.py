@@ -184,22 +184,6 @@ class _Known:
             infos[mask_key] = masks[row]
         return infos
 
-    def rows_columns(
-        self, floats: np.ndarray, ints: np.ndarray, rows: np.ndarray
-    ) -> dict[str, Any]:
-        """The infos of some envs, all of this schema: ``whole_columns`` of those rows."""
-        blocks = []
-        for is_float, cells, dtype in self.blocks:
-            source = (floats if is_float else ints).take(rows, axis=0)[:, cells].T
-            blocks.append(source.copy() if source.dtype == dtype else source.astype(dtype, "C"))
-        masks = np.empty((len(self.layout), len(rows)), dtype=np.bool_)
-        masks.fill(True)
-        infos: dict[str, Any] = {}
-        for row, (key, mask_key, block, block_row) in enumerate(self.layout):
-            infos[key] = blocks[block][block_row]
-            infos[mask_key] = masks[row]
-        return infos
-
 
 _NO_ROWS = _Known(InfoSchema((), ()), (), (), ())  # ``_whole_schema``: no env has a row
 
@@ -246,6 +230,7 @@ class ColumnReader:
     ) -> None:
         """Start with no schema known, or sharing those of ``schemas`` (``beside``)."""
         self._ids = schema_ids
+        self.schema_ids = schema_ids  # (read-only to callers: ``parts_plane`` checks its rows)
         self._floats = cells
         self._ints = cells.view(np.int64)
         self._worker_of_env = worker_of_env.astype(np.intp)
@@ -363,7 +348,8 @@ class ColumnReader:
             self._some[key] = known
         if known is None:
             return None
-        return known.rows_columns(self._floats, self._ints, env_ids)
+        cells = self._floats.take(env_ids, axis=0)  # those rows' cells, one copy
+        return known.whole_columns(cells, cells.view(np.int64))
 
     def _whole_schema(self) -> _Known | None:
         """The schema of every env's row, if they all have the same one; else None.

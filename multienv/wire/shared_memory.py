@@ -297,10 +297,7 @@ class SharedBatch:
             self._same_slot = None  # observations() finds out again
 
     def loose_slots(self) -> np.ndarray:
-        """Each env's slot, for a caller that moves envs itself, by writing it (``parts_plane``).
-
-        Every env is taken to be on a slot of its own from now on, until ``move_all_to``.
-        """
+        """Each env's slot, for a caller that writes it (``parts_plane``); none shared now."""
         slots = self._slots()
         self._same_slot = None
         return slots
@@ -326,11 +323,6 @@ class SharedBatch:
     def flags(self) -> np.ndarray:
         """The shared terminated (row 0) and truncated (row 1) flags, shape ``(2, num_envs)``."""
         return self._mapping.flags
-
-    @property
-    def info_schema_ids(self) -> np.ndarray:
-        """Each env's info schema id in its last step (0: no info), as its worker wrote it."""
-        return self._mapping.info_schema
 
     @property
     def obs_slots(self) -> np.ndarray | None:

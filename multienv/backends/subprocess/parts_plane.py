@@ -75,7 +75,7 @@ class PartsPlane(PartsHandOver):
     __slots__ = tuple(
         "_action_dtype _action_shape _actions _add_info _any_counted _autoreset "
         "_busy_envs _changes _counted _counters _deadlines _done _done_envs _done_mv "
-        "_done_read _env_ranges _env_slices _extras _flag_of_row _flag_of_slot _flags "
+        "_done_read _env_ranges _env_slices _extras _flag_of_row _flag_of_slot "
         "_flying _flying_mv _has_finals _held _id_bytes _info_ids _is_disabled "
         "_is_next_step _is_same_step _is_unthanked _is_wide _needs_reset _next _obs_flat "
         "_obs_rows _order _other_row _plan_flags _plane _resets _returned _rewards "
@@ -134,9 +134,8 @@ class PartsPlane(PartsHandOver):
         self._timeouts: np.ndarray | None = None
         self._is_unthanked = False
         self._rewards = shared.rewards
-        self._flags = shared.flags  # (2, num_envs): terminated, truncated
-        self._terminated, self._truncated = self._flags[0], self._flags[1]
-        self._info_ids = shared.info_schema_ids
+        self._terminated, self._truncated = shared.flags  # (2, num_envs): two rows
+        self._info_ids = shared.infos.schema_ids
         self._needs_reset = vector.autoreset.needs_reset_array
         # By worker: stepping (sent, no record read), done (its record read, not returned),
         # when each was sent, its deadline, and the order the done ones finished in.
