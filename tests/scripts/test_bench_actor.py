@@ -29,7 +29,7 @@ def test_a_sleeping_policy_sleeps_and_a_busy_one_spins():
         bench.policy(0.05, busy)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         assert wall >= 0.05
-        assert (cpu > 0.03) is busy
+        assert (cpu > 0.01) is busy  # a sleep takes next to no CPU; a spin most of it
 
 
 @pytest.mark.parametrize("row", ["step()", "send/recv"])
