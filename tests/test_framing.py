@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import select
 import socket
@@ -151,3 +152,24 @@ def test_poll_hot_stays_runnable_until_the_event_comes(
     theirs.sendall(b"x")
     thread.join(5.0)
     assert got == [[(ours.fileno(), select.POLLIN)]]
+
+
+def test_readable_sees_fds_past_the_1023_that_select_stops_at() -> None:
+    read_fd, write_fd = os.pipe()
+    high = 1500
+    try:
+        os.dup2(read_fd, high)
+    except OSError:
+        pytest.skip("this process may not open fd 1500")
+    try:
+        assert framing.readable([high], 0) == []
+        os.write(write_fd, b"x")
+        assert framing.readable([high], 1.0) == [high]
+        os.close(write_fd)
+        write_fd = -1
+        os.read(high, 1)
+        assert framing.readable([high], 1.0) == [high]  # the other end closed: EOF to read
+    finally:
+        for fd in (read_fd, write_fd, high):
+            if fd >= 0:
+                os.close(fd)

@@ -589,3 +589,50 @@ def test_no_spare_is_forked_with_spares_0():
 def test_start_forkserver_refuses_a_negative_number_of_spares():
     with pytest.raises(ValueError, match="spares must be an int >= 0, got -1"):
         multienv.start_forkserver(spares=-1)
+
+
+_HIGH_FDS_SCRIPT = """
+import json, logging, os
+import numpy as np
+from multienv import MultiEnv
+from multienv.backends.subprocess.forking import module_server
+from tests.envs import CountingEnv
+
+warnings = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger("multienv").addHandler(Keep(logging.WARNING))
+
+if True:  # run with -c: no script file for workers to import
+    # Hundreds of workers' pipes: every fd from here on is past select()'s 1023.
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    n = len(os.sched_getaffinity(0)) + 1  # more workers than cores: the module server's
+    kinds = []
+    for _ in range(2):  # the server starts with the first vector; the second finds it
+        envs = MultiEnv([CountingEnv] * n)
+        kinds.append(sorted({type(g.supervisor.handle._process).__name__
+                             for g in envs._fan_out.groups}))
+        envs.reset(seed=0)
+        obs, *_ = envs.step(np.ones(n, dtype=np.int64))
+        assert obs[:, 0].tolist() == [1.0] * n
+        envs.close()
+    print(json.dumps({"kinds": kinds, "warnings": warnings,
+                      "server": module_server.running() is not None}))
+"""
+
+
+def test_a_vector_whose_fds_are_past_1023_is_served_steps_and_closes():
+    # select() refuses fds past 1023, which a vector of hundreds of workers opens: the
+    # module server died in its loop (its workers forked by forkserver instead, with a
+    # warning), and close() raised ValueError polling a served worker's exit status.
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1300:
+        pytest.skip("this process may not open 1300 fds")
+    run = run_python(["-c", _HIGH_FDS_SCRIPT])
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["warnings"] == []
+    assert result["server"]
+    assert result["kinds"] == [["ServedProcess"]] * 2

@@ -166,6 +166,19 @@ def write_frame(fd: int, data: bytes) -> None:
             view = view[os.write(fd, view) :]
 
 
+def readable(fds: list[int], timeout_s: float | None) -> list[int]:
+    """The ``fds`` readable (or closed at the other end) within ``timeout_s``; None: wait.
+
+    ``select.select`` in its place fails on fds past 1023, which a vector of hundreds of
+    workers opens.
+    """
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    timeout_ms = None if timeout_s is None else max(0.0, timeout_s) * 1000
+    return [fd for fd, _ in poller.poll(timeout_ms)]
+
+
 def hot_poll(fd: int, spin_s: float) -> Callable[[int], list[tuple[int, int]]] | None:
     """A poll of ``fd`` for ``poll_hot`` when reads of it spin (``spin_s`` > 0), else None."""
     if spin_s <= 0:

@@ -17,7 +17,6 @@ import faulthandler
 import functools
 import logging
 import os
-import select
 import signal
 import sys
 import threading
@@ -44,6 +43,7 @@ from multienv.wire.framing import (
     decode,
     decode_fast_batch,
     encode,
+    readable,
     slot_of,
     write_message,
 )
@@ -479,7 +479,7 @@ def _wait_for_parent_exit(parent_pid: int) -> None:
         while _is_alive(parent_pid):
             time.sleep(_PARENT_POLL_S)
         os._exit(0)
-    select.select([pidfd], [], [])
+    readable([pidfd], None)
     os._exit(0)
 
 

@@ -37,7 +37,6 @@ import dataclasses
 import logging
 import os
 import pickle
-import select
 import signal
 import socket
 import subprocess
@@ -65,6 +64,7 @@ from multienv.backends.subprocess.forking.module_server_process import (
     SpareRequest,
     WorkerArgs,
 )
+from multienv.wire.framing import readable
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ServedProcess:
     def exitcode(self) -> int | None:
         """The exit status once the worker ended (minus the signal that killed it), else None."""
         if self._exitcode is None and self.sentinel >= 0:
-            if select.select([self.sentinel], [], [], 0)[0]:
+            if readable([self.sentinel], 0):
                 data = os.read(self.sentinel, STATUS.size)
                 # No status: the server died, and its workers with it (PR_SET_PDEATHSIG).
                 self._exitcode = (
@@ -113,7 +113,7 @@ class ServedProcess:
     def join(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` seconds for the worker to end."""
         if self.exitcode is None and self.sentinel >= 0:
-            select.select([self.sentinel], [], [], timeout)
+            readable([self.sentinel], timeout)
 
     def kill(self) -> None:
         """SIGKILL the worker, unless it ended."""

@@ -42,7 +42,6 @@ import dataclasses
 import logging
 import os
 import pickle
-import select
 import signal
 import socket
 import struct
@@ -60,6 +59,7 @@ from multienv.backends.subprocess.forking.fork_source import (
     starts_envs_at,
 )
 from multienv.errors import MissingMainGuardError
+from multienv.wire.framing import readable
 from multienv.wire.protocol import OwnerWatch, worker_main, worker_module
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class _Server:
     """The server's state between requests: its children, and what it may still do."""
 
     def __init__(self, sock: socket.socket, owner_fd: int, main_failed: str | None) -> None:
-        """Set up the wake-up pipe that SIGCHLD writes to, so that select sees deaths."""
+        """Set up the wake-up pipe that SIGCHLD writes to, so that the poll sees deaths."""
         self.sock = sock
         self.owner_fd = owner_fd  # -1: no pidfd
         self.main_failed = main_failed
@@ -193,7 +193,7 @@ class _Server:
         idle_s = SPARE_IDLE_S
         while True:
             wants_spare = len(self.spares) < self.spare_count and not self.is_refusing
-            ready, _, _ = select.select(watched, [], [], idle_s if wants_spare else None)
+            ready = readable(watched, idle_s if wants_spare else None)
             if not ready:
                 self._fork_spare()
                 idle_s = 0.0  # idle already: the next spare as soon as nothing is asked
@@ -264,7 +264,7 @@ class _Server:
         """Take a spare whose end of the socket is still open (it did not die); or None."""
         while self.spares:
             spare = self.spares.pop()
-            if not select.select([spare.sock], [], [], 0)[0]:  # no EOF: it waits
+            if not readable([spare.sock.fileno()], 0):  # no EOF: it waits
                 return spare
             spare.sock.close()
         return None
