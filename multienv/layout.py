@@ -22,13 +22,19 @@ thresholds lie between measured points: no cell measured a step between 30 us an
 or a machine between 2 and 16 cores.
 
 An env that mostly waits (its step's CPU under ``WAITING_SHARE`` of its wall time: I/O, a
-remote simulator, a sleep) is another matter: a worker steps its envs one after the other,
-so k of them wait k times as long, while the cores sit idle. Such an env gets the k that
-``_waiting_k`` finds fastest: a vector step lasts at least a worker's k steps end to end,
-and at least the CPU all the envs and wake-ups need spread over the cores
-(``WAKE_CPU_S`` a worker); below k workers' worth of waiting, more processes cost only
-their wake-ups. A 5 ms waiting env on 2 cores, N=16: one env per worker, 1,194 env steps/s
-against 359 with 8 per worker (the actor-loop issue's figures).
+remote simulator, a sleep) is another matter. A worker of several envs steps those that wait
+``MIN_WAIT_S`` or more at once, each on a thread of its own (``multienv.worker.waiting``), so
+their waits overlap, while their CPU takes turns under the worker's GIL. ``_waiting_k``
+weighs that: a vector step lasts the wait, plus the longer of one worker's envs' CPU end to
+end and the CPU of every env and every worker's wake-up spread over the cores. A thread
+costs its env ``THREAD_CPU_S`` a step, and ``THREAD_CPU_PER_ENV_S`` more for each env of its
+worker (their threads contend for the GIL); a worker's wake-up costs ``WAKE_CPU_S``, which
+hundreds of processes on a few cores make dear. Envs that wait 5 ms, 2 cores (``python
+scripts/bench_auto.py --many``): N=16, k=1 and k=8 alike (2,842 and 2,858 env steps/s);
+N=64, 9,560 with one env per worker, 9,896 at k=8, 9,407 at k=32; N=256, 15,674 with one
+env per worker (256 processes, 1,634 MB of PSS), 22,903 at k=8 (32 processes, 253 MB),
+19,976 at k=32, 12,191 at k=128 (2 processes, 41 MB). Waiting shorter than ``MIN_WAIT_S``
+stays in the worker's loop, where k envs wait k times as long.
 
 Example:
     >>> layout = choose_layout(64, cores=16, step_s=250e-6)
@@ -46,7 +52,10 @@ import os
 LONG_STEP_S = 100e-6  # steps at least this long may run one env per worker on many cores
 MANY_CORES = 8  # cores from which long steps run one env per worker
 WAITING_SHARE = 0.5  # a step whose CPU is under this share of its wall time mostly waits
-WAKE_CPU_S = 30e-6  # CPU a worker's wake-up costs, its side and the parent's (2 cores, k=1)
+WAKE_CPU_S = 70e-6  # CPU a worker's wake-up costs, its side and the parent's (2 cores, N=256)
+MIN_WAIT_S = 200e-6  # as ``worker.waiting.MIN_WAIT_S``: less waiting steps in the worker's loop
+THREAD_CPU_S = 20e-6  # a waiting env's step on its worker's thread: the hop, the GIL
+THREAD_CPU_PER_ENV_S = 1e-6  # and this much more for each env of its worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +118,10 @@ def choose_layout(
     elif is_waiting and may_oversubscribe:
         assert step_cpu_s is not None
         k = _waiting_k(num_envs, cores, step_s, step_cpu_s)
-        why = "its steps mostly wait: fewer envs per worker wait less, one after another"
+        why = (
+            "its steps mostly wait: a worker's envs wait at once on threads, and the "
+            "cores spread the CPU of envs and wake-ups"
+        )
     elif may_oversubscribe and cores >= MANY_CORES and step_s >= LONG_STEP_S:
         k = 1
         why = (
@@ -128,16 +140,23 @@ def choose_layout(
 def _waiting_k(num_envs: int, cores: int, step_s: float, step_cpu_s: float) -> int:
     """The envs per worker that make a vector step of waiting envs shortest (the module).
 
-    A step lasts at least one worker's k envs end to end, ``k * step_s``, and at least the
-    CPU of every env and every worker's wake-up over the cores; the fewest workers win ties.
+    A step lasts the wait, plus the longer of one worker's envs' CPU end to end and the CPU
+    of every env and every worker's wake-up over the cores; the fewest workers win ties.
+    A wait too short for a thread is a worker's k envs' waits end to end.
     """
     most = -(-num_envs // cores)  # as many workers as cores
+    wait = step_s - step_cpu_s
+    is_threaded = wait >= MIN_WAIT_S
 
     def duration(k: int) -> float:
         workers = -(-num_envs // k)
-        return max(k * step_s, (num_envs * step_cpu_s + workers * WAKE_CPU_S) / cores)
+        on_thread = k > 1 and is_threaded
+        env_cpu = step_cpu_s + (THREAD_CPU_S + k * THREAD_CPU_PER_ENV_S if on_thread else 0.0)
+        spread = (num_envs * env_cpu + workers * WAKE_CPU_S) / cores
+        waits = wait if on_thread or k == 1 else k * wait
+        return waits + max(k * env_cpu, spread)
 
-    return min(range(1, most + 1), key=lambda k: (duration(k), -k))
+    return min(range(1, most + 1), key=lambda k: (round(duration(k), 7), -k))
 
 
 def is_auto(envs_per_worker: object, owner: str) -> bool:
@@ -168,6 +187,9 @@ def _duration(seconds: float) -> str:
 __all__ = [
     "LONG_STEP_S",
     "MANY_CORES",
+    "MIN_WAIT_S",
+    "THREAD_CPU_PER_ENV_S",
+    "THREAD_CPU_S",
     "WAITING_SHARE",
     "WAKE_CPU_S",
     "Layout",

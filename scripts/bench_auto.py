@@ -3,6 +3,7 @@
 Run:
     python scripts/bench_auto.py                       # N=8 and 16, about a minute
     python scripts/bench_auto.py --num-envs 16 --rounds 5
+    python scripts/bench_auto.py --many 64,256         # many waiting envs: speed and memory
 
 For each kind of env and each N it times the vector's env steps per second with one env per
 worker (k=1), with as many workers as cores (k=ceil(N/cores)) and with ``"auto"``, in
@@ -13,6 +14,13 @@ interleaved rounds (best of the rounds), and prints auto's ratio to the faster o
 - mixed: CartPole, but one env in four sleeps 5 ms per step (env 0 among them, so auto's
   probe of env 0 sees it wait);
 - mixed, env 0 computes: the same with the waiting envs elsewhere.
+
+A worker of several envs steps those that mostly wait at once, each on a thread of its own
+(``multienv.worker.waiting``), so k=ceil(N/cores) waits about as long as k=1. ``--many``
+times N envs that wait 5 ms each, with one env per worker (N processes) and with as many
+workers as cores (their envs on threads), and adds the memory of each: the proportional
+set size (PSS: shared pages split among the processes that share them) of all the
+workers, and the processes' count.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ class Args:
     num_envs: str = "8,16"  # the N to time, comma-separated
     rounds: int = 3  # interleaved rounds; the best of them counts
     seconds: float = 2.0  # per cell and round
+    many: str = ""  # N of waiting envs to time for speed and memory instead (comma-separated)
 
 
 class Computes(gym.Wrapper):
@@ -100,7 +109,50 @@ def steps_per_s(make, num_envs: int, layout, seconds: float) -> tuple[float, str
         return rate, f"k={envs.layout.envs_per_worker}"
 
 
+def workers_pss_mb(envs: MultiEnv) -> tuple[float, int]:
+    """The workers' proportional set size in all, MB, and how many there are."""
+    pids = {env.pid for env in envs.envs}
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+    return total / 1024, len(pids)
+
+
+def many(args: Args) -> None:
+    cores = len(os.sched_getaffinity(0))
+    print(f"{cores} cores; envs that wait 5 ms a step: env steps/s (best of {args.rounds})")
+    for num_envs in [int(n) for n in args.many.split(",")]:
+        fns = [lambda: Waits(5e-3)] * num_envs
+        for layout in (1, -(-num_envs // cores), "auto"):
+            best, memory = 0.0, (0.0, 0)
+            for _ in range(args.rounds):
+                with MultiEnv(fns, envs_per_worker=layout) as envs:
+                    envs.reset(seed=0)
+                    actions = np.zeros(num_envs, dtype=np.int64)
+                    for _ in range(5):
+                        envs.step(actions)
+                    began, steps = time.perf_counter(), 0
+                    while time.perf_counter() - began < args.seconds:
+                        envs.step(actions)
+                        steps += 1
+                    best = max(best, steps * num_envs / (time.perf_counter() - began))
+                    memory = workers_pss_mb(envs)
+                    chosen = envs.layout.envs_per_worker
+            ceiling = num_envs / 5e-3
+            print(
+                f"N={num_envs:<4} k={chosen:<4}{' (auto)' if layout == 'auto' else '       '} "
+                f"{best:8,.0f} env steps/s ({best / ceiling:.2f} of {ceiling:,.0f})  "
+                f"{memory[1]:4} workers, PSS {memory[0]:8,.0f} MB"
+            )
+
+
 def main(args: Args) -> None:
+    if args.many:
+        many(args)
+        return
     cores = len(os.sched_getaffinity(0))
     print(f"{cores} cores; env steps/s, best of {args.rounds} interleaved rounds")
     for num_envs in [int(n) for n in args.num_envs.split(",")]:
@@ -127,6 +179,7 @@ def parse_args() -> Args:
     parser.add_argument("--num-envs", default=Args.num_envs)
     parser.add_argument("--rounds", type=int, default=Args.rounds)
     parser.add_argument("--seconds", type=float, default=Args.seconds)
+    parser.add_argument("--many", default=Args.many)
     return Args(**vars(parser.parse_args()))
 
 

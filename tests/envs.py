@@ -813,3 +813,39 @@ class BusyEnv(CountingEnv):
         while time.process_time() < until:
             pass
         return super().step(action)
+
+
+class WaitingEnv(CountingEnv):
+    """A ``CountingEnv`` whose steps and resets sleep ``wait_s`` first (I/O, a remote simulator).
+
+    Its info says whether a thread other than the worker's main one stepped it
+    (``info["on_thread"]``) and when the step began and ended. ``fail_at``: the step count
+    whose step raises; ``hang_at``: the step count whose step sleeps for an hour (both in
+    every worker).
+    """
+
+    def __init__(
+        self,
+        episode_length: int = 3,
+        wait_s: float = 0.004,
+        fail_at: int | None = None,
+        hang_at: int | None = None,
+    ) -> None:
+        super().__init__(episode_length=episode_length)
+        self.wait_s, self.fail_at, self.hang_at = wait_s, fail_at, hang_at
+        self.steps = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        time.sleep(self.wait_s)
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        began = time.time()
+        self.steps += 1
+        time.sleep(3600.0 if self.steps == self.hang_at else self.wait_s)
+        if self.steps == self.fail_at:
+            raise ValueError(f"boom at step {self.steps}")
+        obs, reward, terminated, truncated, info = super().step(action)
+        on_thread = threading.current_thread() is not threading.main_thread()
+        info.update(on_thread=on_thread, began=began, ended=time.time())
+        return obs, reward, terminated, truncated, info

@@ -72,22 +72,27 @@ def test_the_thresholds_sit_between_the_measured_cells():
 
 
 @pytest.mark.parametrize(
-    ("num_envs", "cores", "step_cpu_s", "expected"),
+    ("num_envs", "cores", "step_s", "step_cpu_s", "expected"),
     [
-        (16, 2, 0.1e-3, 1),  # a 5 ms wait: one env per worker (1,194 against 359 env steps/s)
-        (8, 2, 0.1e-3, 1),
-        (64, 16, 0.1e-3, 1),
-        (64, 2, 1e-3, 6),  # 1 ms of CPU in 5 ms: the cores bind past 6 per worker
-        (16, 2, 5e-3, 8),  # computing all the time: as many workers as cores, as before
-        (16, 2, None, 8),  # not measured: computing
+        # 5 ms waits: a worker's envs wait at once on its threads (bench_auto.py --many):
+        (16, 2, 5e-3, 0.1e-3, 8),  # k=8 2,858 env steps/s, k=1 2,842
+        (8, 2, 5e-3, 0.1e-3, 4),
+        (64, 2, 5e-3, 0.1e-3, 8),  # k=8 9,896, k=1 9,560, k=32 9,407
+        (256, 2, 5e-3, 0.1e-3, 8),  # k=8 22,903, k=1 15,674, k=128 12,191
+        (64, 16, 5e-3, 0.1e-3, 4),
+        (64, 2, 5e-3, 1e-3, 8),  # 1 ms of CPU in 5 ms: the cores bind at any k
+        (16, 2, 5e-3, 5e-3, 8),  # computing all the time: as many workers as cores, as before
+        (16, 2, 5e-3, None, 8),  # not measured: computing
+        # 130 us of waiting: too short for a thread, so a worker's envs wait in a row.
+        (16, 2, 150e-6, 20e-6, 2),
     ],
 )
-def test_an_env_that_mostly_waits_gets_fewer_envs_per_worker(
-    num_envs, cores, step_cpu_s, expected
+def test_an_env_that_mostly_waits_gets_the_k_that_its_waits_and_the_cores_allow(
+    num_envs, cores, step_s, step_cpu_s, expected
 ):
-    layout = choose_layout(num_envs, cores, 5e-3, step_cpu_s=step_cpu_s)
+    layout = choose_layout(num_envs, cores, step_s, step_cpu_s=step_cpu_s)
     assert layout.envs_per_worker == expected
-    if step_cpu_s is not None and step_cpu_s < WAITING_SHARE * 5e-3:
+    if step_cpu_s is not None and step_cpu_s < WAITING_SHARE * step_s:
         assert "mostly wait" in layout.reason
         assert "CPU" in layout.reason
 

@@ -12,6 +12,8 @@ buffers mapped once (``PlannedRows``) and no per-env objects::
     seq, flags            <- the worker's byte and its envs' flags, one read each
     ends of the last step <- two rows, only under next-step autoreset
     actions               <- one copy of its envs' rows
+    envs that mostly wait -> their steps (or resets) started first, each on its thread
+                             (``waiting``), taken at their turn below
     each env              -> step (or reset), check its observation, reward and flags
                              stored, info into its row of cells
     observations          -> the step's slot, one numpy write (one per env when large)
@@ -57,6 +59,7 @@ from multienv.wire.framing import (
 from multienv.wire.protocol import Outcome, Reply
 from multienv.wire.shared_memory import PlannedRows, SlotWriter
 from multienv.worker.runner import EnvRunner, encode_reply, np_random_or_none, package_failure
+from multienv.worker.waiting import WaitingEnvs
 
 _perf_counter = time.perf_counter
 _READ_BYTES = 65536  # as ``MessageReader`` reads
@@ -94,6 +97,7 @@ class PlannedStep:
         "_runner",
         "_spin_s",
         "_uniform",
+        "_waiting",
         "_writer",
         "_writes_each_obs",
         "last_seq",
@@ -137,6 +141,10 @@ class PlannedStep:
         self._writes_each_obs = writer.writes_each_obs or size == 1 or rows.obs is None
         self._spin_s = spin_s
         self._poll = hot_poll(request_fd, spin_s)
+        # Envs that mostly wait step at once, on threads (a lone env has none to wait with).
+        if size > 1 and runner.waiting is None:
+            runner.waiting = WaitingEnvs(size)
+        self._waiting = runner.waiting
         self.on_reset: Callable[[], None] | None = None  # called after a step that reset
         self.last_seq = 0  # the seq of the planned step just run; 0 after any other request
 
@@ -205,6 +213,12 @@ class PlannedStep:
         info_ids = rows.info_ids
         writes_each_obs = self._writes_each_obs
         observations: list[Any] = []
+        waiting = self._waiting
+        call = None
+        if waiting is not None:
+            call = waiting.call_for_step()
+            if call is not None and waiting.waits:  # their steps start first, on their threads
+                waiting.start(envs, actions, ended)
         reward: Any
         extras: dict[int, Outcome] | None = None
         resets: set[int] | None = None
@@ -213,16 +227,20 @@ class PlannedStep:
             try:
                 if ended[position]:
                     resets = {position} if resets is None else resets | {position}
-                    obs, info = env.reset()
+                    obs, info = env.reset() if call is None else call(position, env.reset)
                     reward, terminated, truncated = 0.0, False, False
                 else:
-                    obs, reward, terminated, truncated, info = env.step(actions[position])
+                    obs, reward, terminated, truncated, info = (
+                        env.step(actions[position])
+                        if call is None
+                        else call(position, env.step, actions[position])
+                    )
                     if is_same_step and (terminated or truncated):  # reset it at once
                         check = checks[position]
                         if check is not None and check(obs) is not None:
                             self._runner.check(position, obs)
                         final_obs, final_info = obs, info
-                        obs, info = env.reset()
+                        obs, info = env.reset() if call is None else call(position, env.reset)
                         finals = [] if finals is None else finals
                         finals.append((position, final_obs, final_info, info))
                 check = checks[position]

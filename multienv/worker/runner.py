@@ -14,7 +14,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import gymnasium as gym
@@ -38,6 +38,9 @@ from multienv.wire.protocol import (
 )
 from multienv.worker.legacy import LegacyEnv, adapt
 from multienv.worker.worker_tracebacks import restore_script_names, user_traceback
+
+if TYPE_CHECKING:
+    from multienv.worker.waiting import WaitingEnvs
 
 ObsCheck = Callable[[Any], "str | None"]
 PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
@@ -65,6 +68,7 @@ class EnvRunner:
         self.envs: list[gym.Env[Any, Any]] = []
         self._checks: list[ObsCheck | None] = []
         self._state_methods: dict[int, tuple[str, Any, Any]] = {}  # by position, see get_state
+        self.waiting: WaitingEnvs | None = None  # its planned steps' (``PlannedStep``)
 
     def build(self) -> list[EnvDescription]:
         """Build every env in order and describe it.

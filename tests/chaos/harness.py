@@ -127,7 +127,8 @@ class Chaos:
         self.ctl_path = f"/dev/shm/chaos-ctl-{os.getpid()}.bin"
         self.ctl = open_control(self.ctl_path, self.n, create=True)
         self.tag = (
-            f"{self.mode} k={self.k} n={self.n}{' spin' if args.spin else ''} seed={args.seed}"
+            f"{self.mode} k={self.k} n={self.n}{' spin' if args.spin else ''}"
+            f"{f' wait={args.wait_s}' if args.wait_s else ''} seed={args.seed}"
         )
         # model, per env
         self.last = np.zeros((self.n, 5))
@@ -905,7 +906,10 @@ class Chaos:
 
     # ------------------------------------------------------------------ run
     def make(self) -> MultiEnv:
-        fns = [functools.partial(CounterEnv, i, self.ctl_path, self.n) for i in range(self.n)]
+        fns = [
+            functools.partial(CounterEnv, i, self.ctl_path, self.n, self.a.wait_s)
+            for i in range(self.n)
+        ]
         kw = dict(
             autoreset_mode=self.mode,
             envs_per_worker=self.k,
@@ -1106,6 +1110,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--spin", action="store_true")
+    ap.add_argument("--wait-s", type=float, default=0.0, help="each step sleeps this first")
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--step-timeout", type=float, default=2.5)
