@@ -33,7 +33,9 @@ which the half in flight has just the time it needs.
 one worker's envs at a time, at k=1 and k=4, against ``step()`` of the same layout; the
 parent's CPU per transition beside. ``--slow-reset``: 32 envs whose steps take 1 ms of
 sleep and whose resets take 200 ms every 200 steps: the ceiling is 32 envs x 1 step per
-2 ms on average (what the envs allow, with nothing waiting on a reset).
+2 ms on average (what the envs allow, with nothing waiting on a reset); at k=1, at
+k=ceil(N/cores) and with ``envs_per_worker="auto"``, whose workers step their waiting
+envs on threads.
 
 EnvPool (Python >= 3.12) and TorchRL's AsyncEnvPool (torch >= 2.11) are the other peers the
 issue names; they are measured when installed (neither installs on this machine's Python
@@ -114,7 +116,13 @@ def policy(latency_s: float, busy: bool) -> None:
 
 
 def sample(
-    row: str, workload: str, n: int, k: int | None, latency_s: float, busy: bool, seconds: float
+    row: str,
+    workload: str,
+    n: int,
+    k: int | str | None,
+    latency_s: float,
+    busy: bool,
+    seconds: float,
 ) -> dict[str, float]:
     """One row's env steps per second (and the parent's CPU per env step), in this process."""
     from multienv import MultiEnv
@@ -274,9 +282,10 @@ def slow_reset(args: argparse.Namespace) -> None:
     common = {"workload": "slowreset", "n": n, "latency_s": 0.0, "busy": False}
     common["seconds"] = max(args.seconds, 4.0)
     specs = {}
-    for kk in sorted({1, k}):
-        specs[f"step() k={kk}"] = {"row": "step()", "k": kk, **common}
-        specs[f"send/recv k={kk}"] = {"row": "send/recv", "k": kk, **common}
+    for kk in [*sorted({1, k}), "auto"]:  # auto: the threads of a worker overlap its waits
+        name = "auto" if kk == "auto" else f"k={kk}"
+        specs[f"step() {name}"] = {"row": "step()", "k": kk, **common}
+        specs[f"send/recv {name}"] = {"row": "send/recv", "k": kk, **common}
     out = table(
         "fast step, slow reset: 32 envs, 1 ms steps, 200 ms reset / 200 steps",
         specs,

@@ -19,8 +19,8 @@ envs a step lasts k waits. ``WaitingEnvs`` finds those envs and overlaps their w
 
 An env's exception comes back to the loop and is raised there, so a waiting env's failure
 is answered as any env's; a hang holds the loop where it waits for that env's result, and
-the parent's deadline ends the worker as before. Its thread is a daemon: it steps only
-that env, so that an env is stepped by one thread from then on.
+the parent's deadline ends the worker as before. Each thread is a daemon that steps only
+its env; the worker's main thread steps that env too on its timed steps.
 """
 
 from __future__ import annotations
