@@ -37,9 +37,10 @@ sleep and whose resets take 200 ms every 200 steps: the ceiling is 32 envs x 1 s
 k=ceil(N/cores) and with ``envs_per_worker="auto"``, whose workers step their waiting
 envs on threads.
 
-EnvPool (Python >= 3.12) and TorchRL's AsyncEnvPool (torch >= 2.11) are the other peers the
-issue names; they are measured when installed (neither installs on this machine's Python
-3.11 without a CUDA build of torch), and skipped with a note otherwise.
+EnvPool (``pip install envpool``, Python >= 3.12) runs as a peer when installed: ``EnvPool
+sync`` and ``EnvPool async`` (``batch_size=N // 2``, ``async_reset``, then ``recv`` and
+``send(actions, env_id)``), its own port of the env with the settings ``bench.py`` matches.
+TorchRL's AsyncEnvPool, the other peer the issue names, has no rows here yet.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ import gymnasium as gym
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import ALE_MATCHED, REAL_WORKLOADS, WORKLOADS, is_installed
+from bench import ALE_MATCHED, ENVPOOL_TASKS, REAL_WORKLOADS, WORKLOADS, is_installed
 
 ROWS = ("step()", "send/recv")
 ALE_ROWS = ("ale-py sync", "ale-py async")
+ENVPOOL_ROWS = ("EnvPool sync", "EnvPool async")  # its own threads, batch_size=N // 2
 
 
 class ZeroEnv(gym.Env[np.ndarray, int]):
@@ -127,20 +129,35 @@ def sample(
     """One row's env steps per second (and the parent's CPU per env step), in this process."""
     from multienv import MultiEnv
 
+    is_envpool = row.startswith("EnvPool")
     if row.startswith("ale-py"):
         from ale_py.vector_env import AtariVectorEnv
 
         batch = n // 2 if row == "ale-py async" else 0
         envs: Any = AtariVectorEnv("pong", n, batch_size=batch, **ALE_MATCHED)
+    elif is_envpool:
+        import envpool
+
+        task, matched = ENVPOOL_TASKS[workload]
+        batch = n // 2 if row == "EnvPool async" else n
+        envs = envpool.make(task, env_type="gymnasium", num_envs=n, batch_size=batch, **matched)
     else:
         envs = MultiEnv(make_fns(workload, n), envs_per_worker=k or 1)
     try:
-        bank = [envs.action_space.sample() for _ in range(16)]
-        envs.reset(seed=0)
-        is_async = row in ("send/recv", "ale-py async")
+        if is_envpool:  # its action space is one env's
+            space = envs.action_space
+            space.seed(0)
+            bank = [np.array([space.sample() for _ in range(n)]) for _ in range(16)]
+        else:
+            bank = [envs.action_space.sample() for _ in range(16)]
+        is_async = row in ("send/recv", "ale-py async", "EnvPool async")
+        if row == "EnvPool async":
+            envs.async_reset()  # the first recv returns the first batch reset
+        else:
+            envs.reset(seed=0)
         if is_async and row.startswith("ale-py"):  # its reset returned the first batch
             envs.send(bank[0][: n // 2])
-        elif is_async:
+        elif is_async and not is_envpool:
             envs.send(bank[0])
         half = n // 2 if workload != "dispatch" else (k or 1)
 
@@ -154,6 +171,12 @@ def sample(
                 policy(latency_s, busy)
                 envs.send(bank[t % 16])
                 return len(infos["env_id"])
+            if is_envpool:  # EnvPool's loop: recv a batch, send its envs' actions back
+                *_, infos = envs.recv()
+                ids = infos["env_id"]
+                policy(latency_s, busy)
+                envs.send(bank[t % 16][ids], ids)
+                return len(ids)
             *_, infos = envs.recv(batch_size=half)
             ids = infos["env_id"]
             policy(latency_s, busy)
@@ -169,7 +192,7 @@ def sample(
             steps += cycle(t + calls)
             calls += 1
         wall, cpu = time.perf_counter() - began, time.process_time() - cpu
-        if is_async and not row.startswith("ale-py"):
+        if is_async and not row.startswith(("ale-py", "EnvPool")):
             envs.recv()
         return {"steps_per_s": steps / wall, "cpu_us": cpu / steps * 1e6, "call_s": wall / calls}
     finally:
@@ -254,17 +277,26 @@ def training(args: argparse.Namespace) -> None:
                 specs["multienv step() k=1"] = {"row": "step()", "k": 1, **common}
             if workload == "pong" and is_installed("ale_py.vector_env"):
                 specs |= {row: {"row": row, "k": None, **common} for row in ALE_ROWS}
+            if workload in ENVPOOL_TASKS and is_installed("envpool"):
+                specs |= {row: {"row": row, "k": None, **common} for row in ENVPOOL_ROWS}
             title = f"{cell}, {args.policy} policy of {latency_s * 1000:.2f} ms per call" + (
                 " (half a batch's env time)" if latency == "half" else ""
             )
             out = table(title, specs, f"multienv step() k={k}", args.rounds)
-            if workload == "pong" and "ale-py sync" in out:
-                gain = out["ale-py async"]["steps_per_s"] / out["ale-py sync"]["steps_per_s"]
+            gains = [
+                f"{sync.split()[0]} {out[asynced]['steps_per_s'] / out[sync]['steps_per_s']:.2f}"
+                for sync, asynced in (ALE_ROWS, ENVPOOL_ROWS)
+                if sync in out and asynced in out
+            ]
+            if gains:
                 ours = max(row["x"] for name, row in out.items() if "send/recv" in name)
-                print(f"  async over sync: multienv {ours:.2f} (its best), ale-py {gain:.2f}")
-    for peer, module in (("EnvPool", "envpool"), ("TorchRL AsyncEnvPool", "torchrl")):
-        if not is_installed(module):
-            print(f"\n{peer}: not installed here, not measured")
+                print(f"  async over sync: multienv {ours:.2f} (its best), " + ", ".join(gains))
+    if not is_installed("envpool"):
+        print("\nEnvPool: not installed here (pip install envpool; Python >= 3.12), not measured")
+    print(
+        "TorchRL AsyncEnvPool: not measured; this script has no rows for it yet"
+        + ("" if is_installed("torchrl") else " (nor is it installed here)")
+    )
 
 
 def dispatch(args: argparse.Namespace) -> None:

@@ -42,3 +42,15 @@ def test_each_row_counts_the_env_steps_its_loop_made(row):
     per_call = 4 if row == "step()" else 2
     assert result["steps_per_s"] * result["call_s"] == pytest.approx(per_call, rel=0.05)
     assert result["call_s"] >= 0.001
+
+
+@pytest.mark.parametrize("row", ["EnvPool sync", "EnvPool async"])
+def test_envpool_rows_count_the_env_steps_of_its_own_loop(row):
+    """EnvPool's async row returns half the envs a call (``batch_size=N // 2``)."""
+    pytest.importorskip("envpool", reason="EnvPool is not installed: pip install envpool")
+    pytest.importorskip("mujoco", reason="MuJoCo is not installed: pip install -e '.[bench]'")
+    bench = load()
+    result = bench.sample(row, "halfcheetah", 4, None, 0.001, False, 0.3)
+    per_call = 4 if row == "EnvPool sync" else 2
+    assert result["steps_per_s"] * result["call_s"] == pytest.approx(per_call, rel=0.05)
+    assert result["call_s"] >= 0.001
