@@ -94,7 +94,10 @@ KINDS = {
 }
 
 
-def steps_per_s(make, num_envs: int, layout, seconds: float) -> tuple[float, str]:
+def steps_per_s(
+    make, num_envs: int, layout, seconds: float
+) -> tuple[float, int, tuple[float, int]]:
+    """Env steps/s of a vector of ``make(index)``; its envs per worker; ``workers_pss_mb``."""
     fns = [lambda index=index: make(index) for index in range(num_envs)]
     with MultiEnv(fns, envs_per_worker=layout) as envs:
         envs.reset(seed=0)
@@ -106,7 +109,7 @@ def steps_per_s(make, num_envs: int, layout, seconds: float) -> tuple[float, str
             envs.step(actions)
             steps += 1
         rate = steps * num_envs / (time.perf_counter() - began)
-        return rate, f"k={envs.layout.envs_per_worker}"
+        return rate, envs.layout.envs_per_worker, workers_pss_mb(envs)
 
 
 def workers_pss_mb(envs: MultiEnv) -> tuple[float, int]:
@@ -125,22 +128,11 @@ def many(args: Args) -> None:
     cores = len(os.sched_getaffinity(0))
     print(f"{cores} cores; envs that wait 5 ms a step: env steps/s (best of {args.rounds})")
     for num_envs in [int(n) for n in args.many.split(",")]:
-        fns = [lambda: Waits(5e-3)] * num_envs
         for layout in (1, -(-num_envs // cores), "auto"):
             best, memory = 0.0, (0.0, 0)
             for _ in range(args.rounds):
-                with MultiEnv(fns, envs_per_worker=layout) as envs:
-                    envs.reset(seed=0)
-                    actions = np.zeros(num_envs, dtype=np.int64)
-                    for _ in range(5):
-                        envs.step(actions)
-                    began, steps = time.perf_counter(), 0
-                    while time.perf_counter() - began < args.seconds:
-                        envs.step(actions)
-                        steps += 1
-                    best = max(best, steps * num_envs / (time.perf_counter() - began))
-                    memory = workers_pss_mb(envs)
-                    chosen = envs.layout.envs_per_worker
+                rate, chosen, memory = steps_per_s(waits, num_envs, layout, args.seconds)
+                best = max(best, rate)
             ceiling = num_envs / 5e-3
             print(
                 f"N={num_envs:<4} k={chosen:<4}{' (auto)' if layout == 'auto' else '       '} "
@@ -162,10 +154,10 @@ def main(args: Args) -> None:
             chosen = ""
             for _ in range(args.rounds):
                 for name, layout in (("k=1", 1), (f"k={batched}", batched), ("auto", "auto")):
-                    rate, picked = steps_per_s(make, num_envs, layout, args.seconds)
+                    rate, picked, _ = steps_per_s(make, num_envs, layout, args.seconds)
                     best[name] = max(best[name], rate)
                     if name == "auto":
-                        chosen = picked
+                        chosen = f"k={picked}"
             faster = max(best["k=1"], best[f"k={batched}"])
             cells = "  ".join(f"{name} {rate:8,.0f}" for name, rate in best.items())
             print(

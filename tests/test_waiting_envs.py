@@ -27,6 +27,13 @@ from tests.envs import CountingEnv, WaitingEnv
 ON_THREAD = "multienv-waiting-env"
 
 
+def step_until_on_thread(envs, actions, steps: int, env_index: int) -> None:
+    """Step ``steps`` times; by then env ``env_index`` steps on its worker's thread."""
+    for _ in range(steps):
+        *_, infos = envs.step(actions)
+    assert infos["on_thread"][env_index]
+
+
 def overlap(infos, env_ids) -> bool:
     """Whether the steps of these envs were all under way at one moment."""
     return max(infos["began"][env_ids]) < min(infos["ended"][env_ids])
@@ -104,9 +111,7 @@ def test_an_env_that_raises_on_its_thread_is_named_and_its_siblings_step_once():
     with MultiEnv(fns, envs_per_worker=3) as envs:
         envs.reset(seed=0)
         actions = np.ones(3, dtype=np.int64)
-        for _ in range(FIRST_TIMED + 2):
-            *_, infos = envs.step(actions)
-        assert infos["on_thread"][1]
+        step_until_on_thread(envs, actions, FIRST_TIMED + 2, 1)
         pid = envs.envs[0].pid
         with pytest.raises(EnvError, match=rf"env 1: {STEP_RAISED}: boom") as caught:
             envs.step(actions)
@@ -124,9 +129,7 @@ def test_a_hang_on_a_thread_past_step_timeout_truncates_its_worker_s_envs_and_go
     with MultiEnv(fns, envs_per_worker=2, step_timeout=1.0, reset_timeout=1.0) as envs:
         envs.reset(seed=0)
         actions = np.ones(4, dtype=np.int64)
-        for _ in range(FIRST_TIMED + 2):
-            *_, infos = envs.step(actions)
-        assert infos["on_thread"][2]
+        step_until_on_thread(envs, actions, FIRST_TIMED + 2, 2)
         hung = envs.envs[2].pid
         began = time.monotonic()
         _, _, _, truncated, infos = envs.step(actions)
@@ -134,19 +137,17 @@ def test_a_hang_on_a_thread_past_step_timeout_truncates_its_worker_s_envs_and_go
         assert truncated.tolist() == [False, False, True, True]
         assert infos["multienv"]["cause"][2] == "timeout"
         assert envs.envs[2].pid != hung
-        obs, *_ = envs.step(actions)  # the respawned worker steps its envs anew
-        assert obs[:, 0].tolist() == [FIRST_TIMED + 4, FIRST_TIMED + 4, 0.0, 0.0]  # reset
+        obs, *_ = envs.step(actions)  # the respawned worker resets them (next-step)
+        assert obs[:, 0].tolist() == [FIRST_TIMED + 4, FIRST_TIMED + 4, 0.0, 0.0]
 
 
 @pytest.mark.fault
-def test_a_worker_killed_while_its_threads_step_truncates_its_envs(tmp_path):
+def test_a_worker_killed_while_its_threads_step_truncates_its_envs():
     fns = [functools.partial(WaitingEnv, 1000, 0.3)] * 2 + [CountingEnv] * 2
     with MultiEnv(fns, envs_per_worker=2) as envs:
         envs.reset(seed=0)
         actions = np.ones(4, dtype=np.int64)
-        for _ in range(FIRST_TIMED + 1):
-            *_, infos = envs.step(actions)
-        assert infos["on_thread"][0]
+        step_until_on_thread(envs, actions, FIRST_TIMED + 1, 0)
         victim = envs.envs[0].pid
         envs.send(actions)
         time.sleep(0.1)  # both threads are asleep in their steps
@@ -186,11 +187,9 @@ class _Computes(_Env):
 
 def _step(chosen: WaitingEnvs, envs: list[_Env]) -> list[str]:
     """One planned step's calls, as ``PlannedStep.run`` makes them."""
-    call = chosen.call_for_step()
+    call = chosen.begin(envs, [0] * len(envs), [False] * len(envs))
     if call is None:
         return [env.step(0) for env in envs]
-    if chosen.waits:
-        chosen.start(envs, [0] * len(envs), [False] * len(envs))
     return [call(position, env.step, 0) for position, env in enumerate(envs)]
 
 

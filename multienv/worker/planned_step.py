@@ -213,12 +213,8 @@ class PlannedStep:
         info_ids = rows.info_ids
         writes_each_obs = self._writes_each_obs
         observations: list[Any] = []
-        waiting = self._waiting
-        call = None
-        if waiting is not None:
-            call = waiting.call_for_step()
-            if call is not None and waiting.waits:  # their steps start first, on their threads
-                waiting.start(envs, actions, ended)
+        waiting = self._waiting  # the envs that wait start first, on their threads
+        call = None if waiting is None else waiting.begin(envs, actions, ended)
         reward: Any
         extras: dict[int, Outcome] | None = None
         resets: set[int] | None = None

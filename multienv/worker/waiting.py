@@ -53,7 +53,6 @@ class WaitingEnvs:
     __slots__ = (
         "_done",
         "_inboxes",
-        "_inline",
         "_is_timed",
         "_results",
         "_started",
@@ -67,36 +66,31 @@ class WaitingEnvs:
         self._streaks = [0] * size  # by env: timings in a row that disagree with its place
         self._steps = 0  # steps of the worker since it began
         self._is_timed = False  # whether this step's calls here are timed
-        self._inline = -1  # the waiting env timed in the loop this step, if any
         self._inboxes: list[queue.SimpleQueue[Any] | None] = [None] * size
         self._done: queue.SimpleQueue[tuple[int, Any, BaseException | None]] = queue.SimpleQueue()
         self._started: set[int] = set()  # positions whose call is on its thread now
         self._results: dict[int, tuple[Any, BaseException | None]] = {}
         self.waits: list[int] = []  # the positions that wait, ascending
 
-    def call_for_step(self) -> Callable[..., Any] | None:
-        """The loop's way to call an env this step: ``call``, or None for a plain call.
+    def begin(self, envs: list[Any], actions: Any, ended: Any) -> Callable[..., Any] | None:
+        """Count a step and start its waiting envs' calls; the loop's way to call an env.
 
-        Counts the step; None when no env waits and this step is not timed. A timed step
-        times every env in the loop, and one waiting env (in turn) steps there too, timed:
-        the timings that move an env are taken in the loop, never on a thread, where the
-        GIL's turns would stretch a step that computes.
+        Each waiting env's step (its reset, where ``ended``) starts on its thread. Returns
+        ``call``, or None for a plain call: no env waits and this step is not timed. A
+        timed step times every env in the loop, and one waiting env (in turn) steps there
+        too, timed: the timings that move an env are taken in the loop, never on a thread,
+        where the GIL's turns would stretch a step that computes.
         """
         self._steps += 1
-        steps = self._steps
+        steps, waits = self._steps, self.waits
         self._is_timed = steps <= FIRST_TIMED or not steps % SAMPLE_EVERY
-        waits = self.waits
-        self._inline = waits[steps // SAMPLE_EVERY % len(waits)] if waits and self._is_timed else -1
-        if waits or self._is_timed:
-            return self.call
-        return None
-
-    def start(self, envs: list[Any], actions: Any, ended: Any) -> None:
-        """Start each waiting env's step (its reset, where ``ended``) on its thread."""
+        if not waits:
+            return self.call if self._is_timed else None
+        inline = waits[steps // SAMPLE_EVERY % len(waits)] if self._is_timed else -1
         for position in list(self._started):  # left by a step the loop left (an exception)
             self._result(position)  # ends first; that step was answered already
-        for position in self.waits:
-            if position == self._inline:
+        for position in waits:
+            if position == inline:
                 continue
             env = envs[position]
             inbox = self._inboxes[position]
@@ -107,12 +101,13 @@ class WaitingEnvs:
             else:
                 inbox.put((env.step, (actions[position],)))
             self._started.add(position)
+        return self.call
 
     def call(self, position: int, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)`` for the env at ``position``, from its thread or called here.
 
         Its result from its thread if it was started there (``start``); else called here,
-        and timed on a timed step.
+        and timed on a timed step (``begin``).
         """
         if position in self._started:
             result, error = self._result(position)
