@@ -33,7 +33,12 @@ and the last line gives each one's instructions per added worker.
 
 ``--side async``: the same vector's EnvPool-style loop, ``recv(batch_size=N // 2)`` then
 ``send`` of those envs (the parts plane), counted per cycle of N/2 env steps; the probe's
-line is half its synchronous step, the same env steps.
+line is half its synchronous step, the same env steps. "probe-async" is the bare probe's
+own send/recv loop on the same layout (``BareProbe.send``/``recv``: whole workers, each
+saying it is done, copies of the results and the env ids, nothing else): that loop's floor.
+"probe-ring" is the same loop on EnvPool's layout (``BareProbe``'s ``RingProbe``: workers
+write each finished env into the next free row, so that a batch is one slice of each array);
+"probe-ring-views" the same returning views of those slices, not copies.
 
 ``--side worker``: one worker's planned steps (``worker.planned_step.PlannedStep``)
 stepping k envs (``--layouts``, 1 and 8 by default), run in this process on the vector's
@@ -57,6 +62,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -161,17 +167,36 @@ def run_async(
         envs.recv()
 
 
-def run_probe(env_name: str, k: int, steps: int, num_envs: int) -> None:
+def run_probe(env_name: str, k: int, steps: int, num_envs: int, loop: str = "step") -> None:
+    """The bare probe of the layout: its step, or a send/recv loop of recv(N/2), send back.
+
+    ``loop``: "step"; "async" (``BareProbe.send``/``recv``); "ring" or "ring-views"
+    (``RingProbe``, EnvPool's layout, returning copies or views of its rows).
+    """
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bare_probe import BareProbe
+    from bare_probe import BareProbe, RingProbe
 
     fns = [lambda: make_env(env_name)] * num_envs
     space = gym.vector.utils.batch_space(make_env(env_name).action_space, num_envs)
     actions = [space.sample() for _ in range(64)]
-    probe = BareProbe(fns, k, False, actions[0])
-    try:
+    if loop.startswith("ring"):
+        probe: Any = RingProbe(fns, k, actions[0], loop == "ring-views")
+        probe.returned = list(range(len(probe.wakes)))  # the first resets: every worker
+    else:
+        probe = BareProbe(fns, k, False, actions[0])
         probe.reset()
-        count_steps(probe.step, actions, steps)
+    try:
+        if loop == "step":
+            count_steps(probe.step, actions, steps)
+            return
+        probe.send(actions[0], np.arange(num_envs))
+
+        def cycle(batch: np.ndarray) -> None:
+            *_, ids = probe.recv(num_envs // 2)
+            probe.send(batch[ids], ids)
+
+        count_steps(cycle, actions, steps)
+        probe.recv(num_envs - num_envs // 2)
     finally:
         probe.close()
 
@@ -297,8 +322,8 @@ def main(args: Args) -> None:
             run_parent(env_name, k, args.steps, args.num_envs, args.autoreset)
         elif side == "async":
             run_async(env_name, k, args.steps, args.num_envs, args.autoreset)
-        elif side == "probe":
-            run_probe(env_name, k, args.steps, args.num_envs)
+        elif side.startswith("probe"):  # probe, probe-async, probe-ring, probe-ring-views
+            run_probe(env_name, k, args.steps, args.num_envs, side[6:] or "step")
         else:
             run_worker(env_name, args.steps, k)
         return
@@ -314,6 +339,8 @@ def main(args: Args) -> None:
         layouts = [int(k) for k in args.layouts.split(",")]
     if is_parent:
         trees.append(("probe", here))
+    if args.side == "async":
+        trees += [(name, here) for name in ("probe-async", "probe-ring", "probe-ring-views")]
     unit = {"parent": f"vector step of {n} envs", "async": f"recv({n // 2}) + send"}.get(
         args.side, "batch of a worker's k envs"
     )
@@ -323,7 +350,7 @@ def main(args: Args) -> None:
     for k in layouts:
         counts = {}
         for name, tree in trees:
-            side = "probe" if name == "probe" else args.side
+            side = name if name.startswith("probe") else args.side
             child = [side, "--env", args.env, "--layouts", str(k), "--steps", str(args.steps)]
             child += ["--num-envs", str(n), "--autoreset", args.autoreset]
             per = args.steps * (2 if name == "probe" and args.side == "async" else 1)
@@ -338,6 +365,13 @@ def main(args: Args) -> None:
         if "probe" in counts:
             ratio = np.median(counts["this"]) / np.median(counts["probe"])
             print(f"  k={k:<3} this/probe {ratio:.2f}")
+        if "probe-async" in counts:
+            ratio = np.median(counts["probe-async"]) / np.median(counts["probe"])
+            print(f"  k={k:<3} probe-async/probe {ratio:.2f} (the loop's floor, bare)")
+            ratio = np.median(counts["probe-ring"]) / np.median(counts["probe"])
+            print(f"  k={k:<3} probe-ring/probe {ratio:.2f} (EnvPool's layout, bare)")
+            ratio = np.median(counts["probe-ring-views"]) / np.median(counts["probe"])
+            print(f"  k={k:<3} probe-ring-views/probe {ratio:.2f} (the same, returning views)")
     if len(layouts) > 1:
         for name, rows in medians.items():
             (w0, first), (w1, last) = min(rows), max(rows)

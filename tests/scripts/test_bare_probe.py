@@ -70,3 +70,56 @@ def test_a_dead_worker_stops_the_probe_with_an_error():
     finally:
         probe.close()
     assert not any(process.is_alive() for process in probe.processes)
+
+
+def one_env_per_loop(fn, seed, actions):
+    """One env's own results under these actions, reset with ``seed`` and when it ends."""
+    env = fn()
+    env.reset(seed=seed)
+    rows = []
+    for action in actions:
+        obs, reward, terminated, truncated, _ = env.step(action)
+        if terminated or truncated:
+            obs, _ = env.reset()
+        rows.append((obs, reward, terminated, truncated))
+    return rows
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["send-recv", "ring"])
+def test_send_recv_returns_whole_workers_each_env_as_its_own_loop(ring):
+    """Both bare send/recv loops: whole workers per recv; each env's steps are its own."""
+    module = load()
+    fn = functools.partial(gym.make, "CartPole-v1")
+    num_envs, k, size = 8, 2, 4
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 2, size=num_envs)
+    sent = {env: [int(first[env])] for env in range(num_envs)}  # each env's actions
+    got = {env: [] for env in range(num_envs)}  # and its results, in order
+    if ring:
+        probe = module.RingProbe([fn] * num_envs, k, first)
+        probe.returned = list(range(len(probe.wakes)))  # the first resets: every worker
+    else:
+        probe = module.BareProbe([fn] * num_envs, k, False, first)
+    try:
+        probe.send(first, np.arange(num_envs))
+        for _ in range(60):
+            obs, rewards, terminated, truncated, ids = probe.recv(size)
+            assert len(ids) == size
+            assert len(set((ids // k).tolist())) == size // k  # whole workers
+            for row, env in enumerate(ids.tolist()):
+                got[env].append((obs[row], rewards[row], terminated[row], truncated[row]))
+            actions = rng.integers(0, 2, size=size)
+            for env, action in zip(ids.tolist(), actions.tolist(), strict=True):
+                sent[env].append(action)
+            probe.send(actions, ids)
+        *_, left = probe.recv(num_envs - size)  # four more of the eight in flight
+        assert len(set(left.tolist())) == num_envs - size
+    finally:
+        probe.close()
+    assert not any(process.is_alive() for process in probe.processes)
+    for env in range(num_envs):
+        assert got[env]  # every env stepped (one worker may lag: recv takes the first done)
+        expected = one_env_per_loop(fn, env, sent[env][: len(got[env])])
+        for step, want in zip(got[env], expected, strict=True):
+            np.testing.assert_array_equal(step[0], want[0])
+            assert tuple(step[1:]) == tuple(want[1:])

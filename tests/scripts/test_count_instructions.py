@@ -29,7 +29,7 @@ def load():
     return module
 
 
-@pytest.mark.parametrize("side", ["parent", "worker"])
+@pytest.mark.parametrize("side", ["parent", "worker", "probe-async", "probe-ring"])
 def test_counts_are_per_step_and_repeat_within_a_few_percent(side):
     count = load().count
     few = count(str(ROOT), [side, "--env", "zero", "--layouts", "8", "--steps", "40"], 40)
