@@ -40,7 +40,14 @@ envs on threads.
 EnvPool (``pip install envpool``, Python >= 3.12) runs as a peer when installed: ``EnvPool
 sync`` and ``EnvPool async`` (``batch_size=N // 2``, ``async_reset``, then ``recv`` and
 ``send(actions, env_id)``), its own port of the env with the settings ``bench.py`` matches.
-TorchRL's AsyncEnvPool, the other peer the issue names, has no rows here yet.
+TorchRL's ``AsyncEnvPool`` runs as the other peer when installed (``torchrl``, with a CPU
+build of torch), on the same Gymnasium envs through its ``GymWrapper``, one env per worker
+process, ``backend="multiprocessing"``, ``exchange="shm"``: ``TorchRL sync``
+(``step_and_maybe_reset`` of every env) and ``TorchRL async``
+(``async_step_and_maybe_reset_recv(min_get=N // 2, max_get=N // 2)``, the policy, then
+``async_step_and_maybe_reset_send`` of those envs' actions; in ``--dispatch``, ``min_get=1``
+and whatever is done, as they come). Its tensordicts are what its users get, so their cost
+counts.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from bench import ALE_MATCHED, ENVPOOL_TASKS, REAL_WORKLOADS, WORKLOADS, is_inst
 ROWS = ("step()", "send/recv")
 ALE_ROWS = ("ale-py sync", "ale-py async")
 ENVPOOL_ROWS = ("EnvPool sync", "EnvPool async")  # its own threads, batch_size=N // 2
+TORCHRL_ROWS = ("TorchRL sync", "TorchRL async")  # AsyncEnvPool, shm exchange, 1 env/process
 
 
 class ZeroEnv(gym.Env[np.ndarray, int]):
@@ -130,6 +138,8 @@ def sample(
     from multienv import MultiEnv
 
     is_envpool = row.startswith("EnvPool")
+    if row.startswith("TorchRL"):
+        return sample_torchrl(row, workload, n, latency_s, busy, seconds)
     if row.startswith("ale-py"):
         from ale_py.vector_env import AtariVectorEnv
 
@@ -183,20 +193,84 @@ def sample(
             envs.send(bank[t % 16][ids], ids)
             return len(ids)
 
-        t, began = 0, time.perf_counter()
-        while time.perf_counter() - began < min(1.0, seconds / 3):  # warm-up
-            cycle(t)
-            t += 1
-        steps, calls, began, cpu = 0, 0, time.perf_counter(), time.process_time()
-        while time.perf_counter() - began < seconds:
-            steps += cycle(t + calls)
-            calls += 1
-        wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+        result = timed(cycle, seconds)
         if is_async and not row.startswith(("ale-py", "EnvPool")):
             envs.recv()
-        return {"steps_per_s": steps / wall, "cpu_us": cpu / steps * 1e6, "call_s": wall / calls}
+        return result
     finally:
         envs.close()
+
+
+def torchrl_env(workload: str) -> Any:
+    """One of the workload's envs as TorchRL's workers build it (a module-level maker)."""
+    from torchrl.envs import GymWrapper
+
+    return GymWrapper(make_fns(workload, 1)[0]())
+
+
+def sample_torchrl(
+    row: str, workload: str, n: int, latency_s: float, busy: bool, seconds: float
+) -> dict[str, float]:
+    """``sample`` for TorchRL's ``AsyncEnvPool``: its sync step, or its send/recv loop."""
+    import functools
+
+    from torchrl.envs import AsyncEnvPool
+
+    maker = functools.partial(torchrl_env, workload)
+    envs = AsyncEnvPool([maker] * n, backend="multiprocessing", exchange="shm")
+    try:
+        spec = envs.full_action_spec["action"]
+        bank = [spec.rand() for _ in range(16)]
+        td = envs.reset()
+        is_async = row == "TorchRL async"
+        if workload == "dispatch":  # as they come: whatever is done, at least one
+            least, most = 1, None
+        else:
+            least = most = n // 2
+        if is_async:
+            td["action"] = bank[0]
+            envs.async_step_and_maybe_reset_send(td)
+
+        def cycle(t: int) -> int:
+            nonlocal td
+            if not is_async:
+                policy(latency_s, busy)
+                td["action"] = bank[t % 16]
+                _, td = envs.step_and_maybe_reset(td)
+                return n
+            _, done = envs.async_step_and_maybe_reset_recv(min_get=least, max_get=most)
+            ids = torch_ids(done["env_index"])
+            policy(latency_s, busy)
+            done["action"] = bank[t % 16][ids]
+            envs.async_step_and_maybe_reset_send(done)
+            return len(ids)
+
+        result = timed(cycle, seconds)
+        if is_async:
+            envs.async_step_and_maybe_reset_recv(min_get=n)
+        return result
+    finally:
+        envs.close()
+
+
+def torch_ids(env_index: Any) -> Any:
+    import torch
+
+    return torch.as_tensor(list(env_index))
+
+
+def timed(cycle: Any, seconds: float) -> dict[str, float]:
+    """Warm up, then run ``cycle`` for ``seconds``: env steps per second, CPU, time per call."""
+    t, began = 0, time.perf_counter()
+    while time.perf_counter() - began < min(1.0, seconds / 3):  # warm-up
+        cycle(t)
+        t += 1
+    steps, calls, began, cpu = 0, 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() - began < seconds:
+        steps += cycle(t + calls)
+        calls += 1
+    wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+    return {"steps_per_s": steps / wall, "cpu_us": cpu / steps * 1e6, "call_s": wall / calls}
 
 
 def run_child(args: argparse.Namespace) -> None:
@@ -279,13 +353,14 @@ def training(args: argparse.Namespace) -> None:
                 specs |= {row: {"row": row, "k": None, **common} for row in ALE_ROWS}
             if workload in ENVPOOL_TASKS and is_installed("envpool"):
                 specs |= {row: {"row": row, "k": None, **common} for row in ENVPOOL_ROWS}
+            specs |= torchrl_specs(common)
             title = f"{cell}, {args.policy} policy of {latency_s * 1000:.2f} ms per call" + (
                 " (half a batch's env time)" if latency == "half" else ""
             )
             out = table(title, specs, f"multienv step() k={k}", args.rounds)
             gains = [
                 f"{sync.split()[0]} {out[asynced]['steps_per_s'] / out[sync]['steps_per_s']:.2f}"
-                for sync, asynced in (ALE_ROWS, ENVPOOL_ROWS)
+                for sync, asynced in (ALE_ROWS, ENVPOOL_ROWS, TORCHRL_ROWS)
                 if sync in out and asynced in out
             ]
             if gains:
@@ -293,10 +368,15 @@ def training(args: argparse.Namespace) -> None:
                 print(f"  async over sync: multienv {ours:.2f} (its best), " + ", ".join(gains))
     if not is_installed("envpool"):
         print("\nEnvPool: not installed here (pip install envpool; Python >= 3.12), not measured")
-    print(
-        "TorchRL AsyncEnvPool: not measured; this script has no rows for it yet"
-        + ("" if is_installed("torchrl") else " (nor is it installed here)")
-    )
+    if not is_installed("torchrl"):
+        print("TorchRL: not installed here (a CPU torch, then pip install torchrl), not measured")
+
+
+def torchrl_specs(common: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """TorchRL's rows for these settings, where it is installed."""
+    if not is_installed("torchrl"):
+        return {}
+    return {row: {"row": row, "k": None, **common} for row in TORCHRL_ROWS}
 
 
 def dispatch(args: argparse.Namespace) -> None:
@@ -305,6 +385,8 @@ def dispatch(args: argparse.Namespace) -> None:
         common["seconds"] = args.seconds
         specs = {f"step() k={k}": {"row": "step()", **common}}
         specs[f"send/recv k={k}, as they come"] = {"row": "send/recv", **common}
+        if k == 1:  # one env per process, as TorchRL's own pool runs
+            specs |= torchrl_specs(common)
         table(f"dispatch: 8 envs that return at once, k={k}", specs, f"step() k={k}", args.rounds)
 
 
@@ -318,6 +400,7 @@ def slow_reset(args: argparse.Namespace) -> None:
         name = "auto" if kk == "auto" else f"k={kk}"
         specs[f"step() {name}"] = {"row": "step()", "k": kk, **common}
         specs[f"send/recv {name}"] = {"row": "send/recv", "k": kk, **common}
+    specs |= torchrl_specs(common)
     out = table(
         "fast step, slow reset: 32 envs, 1 ms steps, 200 ms reset / 200 steps",
         specs,

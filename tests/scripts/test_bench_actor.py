@@ -54,3 +54,14 @@ def test_envpool_rows_count_the_env_steps_of_its_own_loop(row):
     per_call = 4 if row == "EnvPool sync" else 2
     assert result["steps_per_s"] * result["call_s"] == pytest.approx(per_call, rel=0.05)
     assert result["call_s"] >= 0.001
+
+
+@pytest.mark.parametrize("row", ["TorchRL sync", "TorchRL async"])
+def test_torchrl_rows_count_the_env_steps_of_its_own_loop(row):
+    """TorchRL's async row returns half the envs a call (``min_get = max_get = N // 2``)."""
+    pytest.importorskip("torchrl", reason="TorchRL is not installed (a CPU torch, then torchrl)")
+    bench = load()
+    result = bench.sample(row, "cheap", 4, None, 0.001, False, 0.5)
+    per_call = 4 if row == "TorchRL sync" else 2
+    assert result["steps_per_s"] * result["call_s"] == pytest.approx(per_call, rel=0.05)
+    assert result["call_s"] >= 0.001
