@@ -116,10 +116,10 @@ class BareProbe:
         cpus = sorted(os.sched_getaffinity(0))
         pin = len(parts) <= len(cpus)
         jobs = [
-            (_serve, (fns, part, w, cpus[w % len(cpus)] if pin else None, self))
+            (_serve, (fns, part, w, cpus[w % len(cpus)] if pin else None))
             for w, part in enumerate(parts)
         ]
-        self.wakes, self.processes, self.poller = _fork(jobs, self.done_read)
+        self.wakes, self.processes, self.poller = _fork(self, jobs, self.done_read)
         self._round()  # every worker's first round: its envs are built and reset
 
     def reset(self) -> np.ndarray:
@@ -150,7 +150,10 @@ class BareProbe:
             workers = sorted(set((np.asarray(env_ids) // k).tolist()))
         wakes = self.wakes
         for w in workers:
-            os.write(wakes[w], _WAKE)
+            try:
+                os.write(wakes[w], _WAKE)
+            except BrokenPipeError:
+                pass  # a dead worker: its sentinel ends recv's wait
 
     def recv(self, size: int) -> tuple[np.ndarray, ...]:
         """The first workers to finish that hold ``size`` envs: copies of results, env ids."""
@@ -212,22 +215,21 @@ class BareProbe:
         os.read(self.done_read, 1)
 
 
-def _fork(jobs: list[tuple[Any, tuple[Any, ...]]], done_read: int) -> tuple[Any, ...]:
-    """Fork a worker per job, each given the read end of a wake pipe of its own last.
+def _fork(probe: Any, jobs: list[tuple[Any, tuple[Any, ...]]], done_read: int) -> tuple[Any, ...]:
+    """Fork a worker per job: ``target(*args, probe, wake_read)``, a wake pipe of its own.
 
     Returns the wake pipes' write ends, the processes, and a poll of ``done_read`` and every
-    worker's sentinel. The write ends forked so far are in ``probe.wakes`` for each worker
-    to close (``jobs``' args end with the probe), so that a dead parent reads as EOF.
+    worker's sentinel. The write ends forked so far are ``probe.wakes`` as each worker
+    starts, for it to close, so that a dead parent reads as EOF.
     """
     wakes: list[int] = []
     processes = []
-    probe = jobs[0][1][-1]
     probe.wakes = wakes
     context = multiprocessing.get_context("fork")
     for target, args in jobs:
         wake_read, wake_write = os.pipe()
         wakes.append(wake_write)
-        process = context.Process(target=target, args=(*args, wake_read), daemon=True)
+        process = context.Process(target=target, args=(*args, probe, wake_read), daemon=True)
         process.start()
         os.close(wake_read)
         processes.append(process)
@@ -362,10 +364,10 @@ class RingProbe:
         self.returned: list[int] = []  # the workers of the rows the last recv returned
         self.done_read, self.done_write = os.pipe()
         jobs = [
-            (_serve_ring, (fns, range(start, start + k), w, self))
+            (_serve_ring, (fns, range(start, start + k), w))
             for w, start in enumerate(range(0, n, k))
         ]
-        self.wakes, self.processes, self.poller = _fork(jobs, self.done_read)
+        self.wakes, self.processes, self.poller = _fork(self, jobs, self.done_read)
         self.recv(n)  # the first resets, rows 0..N-1
 
     def send(self, actions: Any, env_ids: np.ndarray) -> None:
@@ -373,7 +375,10 @@ class RingProbe:
         self.shared.actions[env_ids] = actions
         wakes = self.wakes
         for w in self.returned:
-            os.write(wakes[w], _WAKE)
+            try:
+                os.write(wakes[w], _WAKE)
+            except BrokenPipeError:
+                pass  # a dead worker: its sentinel ends recv's wait
 
     def recv(self, size: int) -> tuple[np.ndarray, ...]:
         """The next ``size`` rows, once written: copies of their results, and their env ids."""

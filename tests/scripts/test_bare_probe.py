@@ -123,3 +123,17 @@ def test_send_recv_returns_whole_workers_each_env_as_its_own_loop(ring):
         for step, want in zip(got[env], expected, strict=True):
             np.testing.assert_array_equal(step[0], want[0])
             assert tuple(step[1:]) == tuple(want[1:])
+
+
+def test_a_dead_worker_stops_the_ring_probe_with_an_error():
+    fn = functools.partial(gym.make, "CartPole-v1")
+    probe = load().RingProbe([fn] * 4, 2, np.zeros(4, dtype=np.int64))
+    try:
+        probe.processes[1].kill()
+        probe.processes[1].join()
+        probe.send(np.zeros(4, dtype=np.int64), np.arange(4))
+        with pytest.raises(RuntimeError, match="died or is stuck"):
+            probe.recv(4)
+    finally:
+        probe.close()
+    assert not any(process.is_alive() for process in probe.processes)
