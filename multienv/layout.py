@@ -53,7 +53,7 @@ LONG_STEP_S = 100e-6  # steps at least this long may run one env per worker on m
 MANY_CORES = 8  # cores from which long steps run one env per worker
 WAITING_SHARE = 0.5  # a step whose CPU is under this share of its wall time mostly waits
 WAKE_CPU_S = 70e-6  # CPU a worker's wake-up costs, its side and the parent's (2 cores, N=256)
-MIN_WAIT_S = 200e-6  # less waiting steps in the worker's loop (``worker.waiting`` reads both)
+MIN_WAIT_S = 200e-6  # as ``worker.waiting.MIN_WAIT_S``: less waiting steps in the worker's loop
 THREAD_CPU_S = 20e-6  # a waiting env's step on its worker's thread: the hop, the GIL
 THREAD_CPU_PER_ENV_S = 1e-6  # and this much more for each env of its worker
 

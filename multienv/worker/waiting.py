@@ -32,13 +32,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from multienv.layout import MIN_WAIT_S, WAITING_SHARE
-
 SAMPLE_EVERY = 128  # after the first steps, one step in this many is timed
 FIRST_TIMED = 3  # the worker's first steps, all timed
 CONFIRM = 2  # timings in a row that an env waits (or no longer waits) before it moves
-# An env waits when its step's CPU is under WAITING_SHARE of its wall time, and it waits
-# MIN_WAIT_S or more (less is not worth a thread hop): the layout's own thresholds.
+WAITING_SHARE = 0.5  # as ``layout.WAITING_SHARE``: a step with less CPU than this mostly waits
+MIN_WAIT_S = 200e-6  # less waiting than this is not worth a thread hop
 SWITCH_S = 100e-6  # the GIL's switch interval once threads step: a thread starts its wait soon
 
 _thread_time = time.thread_time
