@@ -56,8 +56,7 @@ class NoPendingCallError(EnvStateError, NoAsyncCallError):
 
     def __init__(self, message: str, name: str) -> None:
         """Store the message and the name of the call that was expected."""
-        EnvStateError.__init__(self, message)
-        self.name = name
+        _init_gymnasium_error(self, NoAsyncCallError, message, name)
 
 
 class PendingCallError(EnvStateError, AlreadyPendingCallError):
@@ -65,8 +64,20 @@ class PendingCallError(EnvStateError, AlreadyPendingCallError):
 
     def __init__(self, message: str, name: str) -> None:
         """Store the message and the name of the pending call."""
-        EnvStateError.__init__(self, message)
-        self.name = name
+        _init_gymnasium_error(self, AlreadyPendingCallError, message, name)
+
+
+def _init_gymnasium_error(
+    error: MultiEnvError, gymnasium_class: type[Exception], message: str, name: str
+) -> None:
+    """Initialise an error that is also one of Gymnasium's, whose ``__init__`` takes ``name``.
+
+    Not through ``MultiEnvError.__init__``: its ``super().__init__(message)`` reaches
+    Gymnasium's ``__init__`` without ``name`` on CPython 3.14 and later, where
+    ``RuntimeError`` no longer has an ``__init__`` of its own to stop the lookup at.
+    """
+    gymnasium_class.__init__(error, message, name)  # sets args and name
+    error.env_index = None
 
 
 class WaitTimeoutError(MultiEnvError, multiprocessing.TimeoutError, TimeoutError):
@@ -118,8 +129,9 @@ def env_error_class(remote_type: type[BaseException] | None) -> type[EnvError]:
         try:
             name = f"EnvError[{remote_type.__name__}]"
             cached = type(name, (EnvError, remote_type), {"__str__": Exception.__str__})
-        except TypeError:  # layouts that cannot be combined (OSError and friends)
-            cached = EnvError
+            cached("", env_index=None)  # one whose __new__ or __init__ wants more arguments
+        except TypeError:  # layouts that cannot be combined (OSError and friends), or
+            cached = EnvError  # types that need more than a message (UnicodeDecodeError)
         _ENV_ERROR_CLASSES[remote_type] = cached
     return cached
 

@@ -31,6 +31,7 @@ import mmap
 import multiprocessing
 import os
 import select
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -230,7 +231,16 @@ def _fork(probe: Any, jobs: list[tuple[Any, tuple[Any, ...]]], done_read: int) -
         wake_read, wake_write = os.pipe()
         wakes.append(wake_write)
         process = context.Process(target=target, args=(*args, probe, wake_read), daemon=True)
-        process.start()
+        with warnings.catch_warnings():
+            # bench.py forks these beside multienv's vectors, whose threads (a thread pool,
+            # the stderr relay) run on: CPython 3.12+ warns that a lock one of them holds
+            # could stay locked in the child. The child takes none of theirs: it reads and
+            # writes its pipes and the shared memory and steps its envs. The GIL, the
+            # import lock and logging's are made anew in a forked child, malloc's by glibc.
+            warnings.filterwarnings(
+                "ignore", r"This process .* is multi-threaded, use of fork\(\)", DeprecationWarning
+            )
+            process.start()
         os.close(wake_read)
         processes.append(process)
     poller = select.poll()

@@ -103,8 +103,11 @@ def test_a_waiting_env_keeps_one_worker_per_core_in_hot_mode():
 
 
 def test_the_worker_times_the_cpu_of_its_env_s_steps():
+    # Read against the CPU each step costs by construction, never against its wall time: on
+    # a machine whose cores are shared a computing step's wall time grows (2.0 ms of CPU in
+    # 4.2 ms was seen), its CPU does not, and a sleeping step's stays near nothing.
     sleepy = EnvRunner([cloudpickle.dumps(functools.partial(SleepyEnv, step_s=0.003))])
-    busy = EnvRunner([cloudpickle.dumps(BusyEnv)])
+    busy = EnvRunner([cloudpickle.dumps(functools.partial(BusyEnv, step_s=0.002))])
     try:
         sleepy.build()
         busy.build()
@@ -114,9 +117,9 @@ def test_the_worker_times_the_cpu_of_its_env_s_steps():
         sleepy.close()
         busy.close()
     assert waits.step_cpu_s is not None
-    assert waits.step_cpu_s < 0.2 * waits.step_s
+    assert waits.step_cpu_s < 0.2 * 0.003 <= waits.step_s
     assert computes.step_cpu_s is not None
-    assert computes.step_cpu_s > 0.5 * computes.step_s
+    assert computes.step_cpu_s >= 0.002
 
 
 def test_hot_mode_and_pinning_keep_one_worker_per_core_at_most():

@@ -14,8 +14,7 @@ import logging
 import select
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -92,7 +91,8 @@ class ProcessHandle(ReplyWait):
         self._reader: MessageReader | None = None
         self._poller: Any = None  # select.poll over the pipe, the sentinel and the done pipe
         self._stderr: StderrPipe | None = None
-        self._stderr_tail: deque[str] = deque()  # kept once the pipe is closed
+        # The last worker's StderrPipe.last_lines, kept once its pipe is closed.
+        self._stderr_last_lines: Callable[[], tuple[str, ...]] = tuple
         self._is_attach_sent = False  # begin_link sent ATTACH to the current worker
         self._is_closing = threading.Event()
         # Set by abandon(), which may not take the Event's lock; read with _is_closing.
@@ -116,7 +116,7 @@ class ProcessHandle(ReplyWait):
 
     def stderr_tail(self) -> tuple[str, ...]:
         """The last lines the current (or last) worker wrote to stderr."""
-        return tuple(self._stderr_tail)
+        return self._stderr_last_lines()
 
     # ----------------------------------------------------------------- process
 
@@ -144,7 +144,7 @@ class ProcessHandle(ReplyWait):
         self._poller.register(process.sentinel, select.POLLIN)
         if self._seat.shared is not None:
             self._poller.register(self._seat.done_read, select.POLLIN)
-        self._stderr, self._stderr_tail = launched.stderr, launched.stderr.tail
+        self._stderr, self._stderr_last_lines = launched.stderr, launched.stderr.last_lines
 
     def prestart(self) -> None:
         """Start a standby worker, which the next ``spawn()`` takes over; idempotent."""

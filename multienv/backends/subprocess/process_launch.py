@@ -37,7 +37,7 @@ from multienv.wire.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
-_STDERR_TAIL_LINES = 30
+_STDERR_TAIL_LINES = 20  # the env's own last lines; a crash dump is kept apart, cut
 _STANDBY_READY_S = 60.0  # a standby worker slower than this to build its envs is replaced
 _STANDBY_LAUNCH_S = 10.0  # stop() waits this long for a standby's launch to finish
 

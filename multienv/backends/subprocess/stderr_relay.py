@@ -15,22 +15,35 @@ last lines anyway) under hundreds of dumps. ``MULTIENV_WORKER_STDERR`` chooses, 
 each worker starts: ``limited`` (the default, as above), ``all`` (every line, every dump
 in full), ``off`` (nothing forwarded; the last lines are still kept), or a file path
 (everything appended to that file instead of stderr).
+
+The last lines kept for a crash report (``StderrPipe.last_lines``) are the env's own
+lines, then the dump cut to its first line and the frames of the code that crashed: the
+whole dump grew from some 20 lines to 60 and more on CPython 3.14 (a C stack, the
+extension modules), which pushed what the env printed out of any tail of fixed length.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import selectors
 import threading
 from collections import deque
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _DUMP_START = b"Fatal Python error: "  # faulthandler's first line
 _DUMPS_SHOWN = 3  # crash dumps forwarded per process by default; the others held back
 _DUMP_LINES = 40  # lines of each forwarded dump
+_DUMP_FRAMES = 6  # frames of the crashed thread kept in last_lines, outside multienv
+# The crashed thread's Python stack: "Stack (most recent call first):" (one thread) or
+# "Current thread 0x7f... (most recent call first):", never the C stack of CPython 3.14.
+_STACK_HEADER = re.compile(r"^(Stack|Current thread 0x[0-9a-fA-F]+)\b.*most recent call first")
+_FRAME = '  File "'
+_MULTIENV_FILES = f'{_FRAME}{Path(__file__).resolve().parents[2]}{os.sep}'
 SETTING = "MULTIENV_WORKER_STDERR"
 
 
@@ -44,16 +57,26 @@ class StderrPipe:
 
     def __init__(self, conn: Connection, tail_lines: int) -> None:
         """Keep the pipe; ``relay`` registers it."""
-        self.tail: deque[str] = deque(maxlen=tail_lines)
+        self.tail: deque[str] = deque(maxlen=tail_lines)  # the env's own, outside a dump
         self._conn = conn
         self._partial = b""
         self._dump: list[bytes] | None = None  # a crash dump being read, whole lines
+        self._dump_summary: list[str] = []  # its first line and the crashed code's frames
+        self._stack = "before"  # where the dump's reading is: before, in or after the stack
         self._setting = os.environ.get(SETTING, "limited").strip() or "limited"
         self._is_closed = threading.Event()
 
     def join(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` s until the pipe is read to its end (the worker's fd 2 closed)."""
         self._is_closed.wait(timeout)
+
+    def last_lines(self) -> tuple[str, ...]:
+        """The worker's last lines for a crash report: its own, then its crash dump, cut.
+
+        The dump keeps its first line (``Fatal Python error: Segmentation fault``) and the
+        innermost frames of the crashed thread that are not multienv's own.
+        """
+        return (*self.tail, *self._dump_summary)
 
     def _read(self) -> bool:
         """Forward what the pipe holds, by whole lines; False at EOF (then ``_close`` it)."""
@@ -64,7 +87,6 @@ class StderrPipe:
         if not chunk:
             return False
         *lines, self._partial = (self._partial + chunk).split(b"\n")
-        self.tail.extend(line.decode(errors="replace") for line in lines)
         self._forward(lines)
         return True
 
@@ -75,15 +97,35 @@ class StderrPipe:
             if self._dump is None and line.startswith(_DUMP_START):
                 self._dump = []
             if self._dump is None:
+                self.tail.append(line.decode(errors="replace"))
                 out.append(line + b"\n")
-            elif len(self._dump) <= _DUMP_LINES or self._setting == "all":
+                continue
+            self._summarise(line.decode(errors="replace"))
+            if len(self._dump) <= _DUMP_LINES or self._setting == "all":
                 self._dump.append(line)
         if out:
             _write(self._setting, b"".join(out))
 
+    def _summarise(self, line: str) -> None:
+        """Keep the dump's first line and the crashed thread's frames outside multienv."""
+        summary = self._dump_summary
+        if not summary:
+            summary.append(line)
+        elif self._stack == "before":
+            if _STACK_HEADER.match(line):
+                self._stack = "in"
+        elif self._stack == "in":
+            if not line.startswith(_FRAME):
+                self._stack = "after"
+            elif (
+                len(summary) <= _DUMP_FRAMES
+                and not line.startswith(_MULTIENV_FILES)
+                and not line.startswith(f'{_FRAME}<')  # "<string>", the server's -c
+            ):
+                summary.append(line)
+
     def _close(self) -> None:
         if self._partial:
-            self.tail.append(self._partial.decode(errors="replace"))
             self._forward([self._partial])
             self._partial = b""
         if self._dump is not None:
