@@ -22,6 +22,7 @@ def failure_of(exc: BaseException) -> RemoteFailure:
 
 def test_the_ledger_allows_the_policys_respawns_then_raises_naming_the_keyword():
     ledger = RestartLedger(RestartPolicy(max_restarts=2, window_s=60, backoff=0.0), [3, 4])
+    ledger.note_success()  # the env ran before it crash-looped
     assert ledger.record_death(101, "SIGKILL", tuple) == 0.0
     assert ledger.record_death(102, "SIGKILL", tuple) == 0.0
     error = ledger.record_death(103, "exit code 1", lambda: ("boom",))
@@ -32,6 +33,20 @@ def test_the_ledger_allows_the_policys_respawns_then_raises_naming_the_keyword()
     assert message.startswith("env 3: worker hosting envs 3-4 died 3 times in 60 s")
     assert "restart_policy=RestartPolicy(max_restarts=20, window_s=60) in MultiEnv" in message
     assert message.endswith("\nboom")
+
+
+def test_an_env_no_call_of_which_ever_completed_is_told_so_not_to_raise_the_budget():
+    ledger = RestartLedger(RestartPolicy(max_restarts=1, window_s=60, backoff=0.0), [2])
+    assert ledger.record_death(101, "SIGSEGV", tuple) == 0.0
+    assert ledger.deaths_in_a_row == 1
+    error = ledger.record_death(102, "SIGSEGV", lambda: ("about to dereference NULL",))
+    assert isinstance(error, EnvCrashLoopError)
+    assert str(error) == (
+        "env 2: worker died 2 times in 60 s (RestartPolicy max_restarts=1, window_s=60); last "
+        "cause SIGSEGV; no call to it ever completed: it fails on every start, and more "
+        "respawns will not mend that. Fix the crash; its last stderr lines follow.\n"
+        "about to dereference NULL"
+    )
 
 
 def test_a_success_starts_a_new_run_of_respawns_without_backoff():

@@ -37,14 +37,39 @@ def test_the_first_failures_of_each_worker_are_logged_then_counted(lines):
     assert log.counts_by_cause() == {"SIGKILL": 2}
 
 
-def test_a_repeat_failure_is_always_logged_as_a_crash_loop_may_be_forming(lines):
+def test_a_repeat_failure_is_logged_as_a_crash_loop_may_be_forming(lines):
     logger, caught = lines
     log = FailureLog(logger, first_per_env=1, clock=lambda: 0.0)
     log.report(env_index=0, failure_number=1, cause="SIGKILL", message="one")
     assert log.report(
-        env_index=0, failure_number=2, cause="SIGKILL", message="two", is_repeat_failure=True
+        env_index=0, failure_number=2, cause="SIGKILL", message="two", deaths_in_a_row=2
     )
     assert [line[:3] for line in caught] == ["one", "two"]
+
+
+def test_a_long_crash_loop_is_logged_at_powers_of_two_then_counted(lines):
+    logger, caught = lines
+    log = FailureLog(logger, first_per_env=3, clock=lambda: 0.0)
+    for number in range(1, 21):  # 20 respawns with no call completed between them
+        log.report(
+            env_index=0,
+            failure_number=number,
+            cause="SIGSEGV",
+            message=f"died {number}",
+            deaths_in_a_row=number,
+        )
+    assert [line.split(" (")[0] for line in caught] == [
+        "died 1",
+        "died 2",
+        "died 3",
+        "died 4",
+        "died 8",
+        "died 16",
+    ]
+    assert caught[2].endswith(
+        "(a crash loop: its next failures are logged at 4, 8, 16... in a row)"
+    )
+    assert log.counts_by_cause() == {"SIGSEGV": 14}
 
 
 def test_the_summary_line_counts_by_cause_and_names_the_envs_as_ranges(lines):

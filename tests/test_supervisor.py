@@ -43,6 +43,7 @@ class FakeHandle:
         self.abandons = 0
         self.retired = 0
         self.prestarts = 0
+        self.quiet_spawns: list[bool] = []
         self.sent: list[Any] = []
         self.deadlines: list[float | None] = []
 
@@ -50,8 +51,9 @@ class FakeHandle:
     def pid(self) -> int | None:
         return 1000 + self.spawns if self.spawns else None
 
-    def spawn(self) -> None:
+    def spawn(self, *, is_quiet: bool = False) -> None:
         self.spawns += 1
+        self.quiet_spawns.append(is_quiet)
 
     def handshake(self, deadline: float | None) -> Reply | Death:
         if self.handshakes:
@@ -140,12 +142,33 @@ def test_crash_loop_spends_the_budget_then_raises_and_stays_broken() -> None:
     assert caught.value.restarts == 3
     assert caught.value.cause == "exit code 3"
     assert caught.value.stderr_tail == ("boom",)
-    assert "allow more respawns: restart_policy=RestartPolicy(max_restarts=20, window_s=60)" in str(
-        caught.value
-    )
+    # No call ever completed: no budget would outlive it, and the error says so.
+    assert "no call to it ever completed: it fails on every start" in str(caught.value)
+    assert "allow more respawns" not in str(caught.value)
     assert supervisor.state is EnvState.BROKEN
     with pytest.raises(EnvCrashLoopError):
         supervisor.submit(steps(1))
+    # The third worker of the loop and later ones keep their output for the error.
+    assert handle.quiet_spawns == [False, False, True]
+
+
+def test_a_crash_loop_after_calls_completed_advises_a_larger_budget() -> None:
+    handle = FakeHandle()
+    supervisor = ready(handle, restart_policy=RestartPolicy(max_restarts=2, backoff=0.0))
+    handle.replies.append(result(1))
+    supervisor.submit(steps(1))
+    supervisor.finish()  # a call completed: the env ran
+    handle.replies.append(Death("SIGSEGV"))
+    handle.handshakes.extend([Death("SIGSEGV")] * 5)
+    supervisor.submit(steps(1))
+    with pytest.raises(EnvCrashLoopError) as caught:
+        supervisor.finish()
+    message = str(caught.value)
+    assert "allow more respawns: restart_policy=RestartPolicy(max_restarts=20, window_s=60)" in (
+        message
+    )
+    assert "never" not in message
+    assert handle.quiet_spawns == [False, False, True]
 
 
 def test_never_policy_raises_env_crashed_error() -> None:

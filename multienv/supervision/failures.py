@@ -46,10 +46,17 @@ class RestartLedger:
         self._restart_times: list[float] = []
         self._consecutive = 0  # respawns since the last successful call
         self._deaths = 0  # over the worker's whole life, for the failure log
+        self._has_completed_a_call = False  # ever, by any of its workers
+
+    @property
+    def deaths_in_a_row(self) -> int:
+        """Deaths since the last call that succeeded (a crash loop forming from 2 on)."""
+        return self._consecutive
 
     def note_success(self) -> None:
         """A call succeeded: the next death starts a new run of respawns (no backoff)."""
         self._consecutive = 0
+        self._has_completed_a_call = True
 
     def record_death(
         self, pid: int | None, cause: str, stderr_tail: Callable[[], tuple[str, ...]]
@@ -70,7 +77,7 @@ class RestartLedger:
             cause=cause,
             message=f"{envs_text(self._env_indices)}: worker pid {pid} {what}; respawning "
             f"({len(self._restart_times)}/{policy.max_restarts} in {policy.window_s:g} s)",
-            is_repeat_failure=self._consecutive > 1,
+            deaths_in_a_row=self._consecutive,
         )
         return delay
 
@@ -89,20 +96,39 @@ class RestartLedger:
                 env_index=env_index,
             )
         deaths = len(policy.recent(self._restart_times, time.monotonic())) + 1
+        budget = (
+            f"{deaths} times in {policy.window_s:g} s (RestartPolicy "
+            f"max_restarts={policy.max_restarts}, window_s={policy.window_s:g}); "
+            f"last cause {cause}"
+        )
+        if self._has_completed_a_call:
+            advice = (
+                "its last stderr lines follow. Fix the crash, or allow more respawns: "
+                f"restart_policy=RestartPolicy(max_restarts={max(20, 4 * policy.max_restarts)}"
+                f", window_s={policy.window_s:g}) in MultiEnv (from multienv import "
+                "RestartPolicy)."
+            )
+        else:  # a bug in the env or its setup, which no budget outlives
+            advice = (
+                "no call to it ever completed: it fails on every start, and more respawns "
+                "will not mend that. Fix the crash; its last stderr lines follow."
+            )
         error = EnvCrashLoopError(
-            f"env {env_index}: worker{hosted} died {deaths} times in {policy.window_s:g} s "
-            f"(RestartPolicy max_restarts={policy.max_restarts}, "
-            f"window_s={policy.window_s:g}); "
-            f"last cause {cause}; its last stderr lines follow. Fix the crash, or allow more "
-            f"respawns: restart_policy=RestartPolicy(max_restarts="
-            f"{max(20, 4 * policy.max_restarts)}, window_s={policy.window_s:g}) in MultiEnv "
-            f"(from multienv import RestartPolicy).\n{stderr_text}",
+            f"env {env_index}: worker{hosted} died {budget}; {advice}\n{stderr_text}",
             env_index=env_index,
             restarts=deaths,
             cause=cause,
             stderr_tail=tail,
         )
-        logger.error("%s", error)
+        # One line: the caller gets the error, which says the rest once.
+        logger.error(
+            "%s: restart budget spent (%d deaths in %g s, last cause %s): %s raised",
+            envs_text(self._env_indices),
+            deaths,
+            policy.window_s,
+            cause,
+            type(error).__name__,
+        )
         return error
 
 

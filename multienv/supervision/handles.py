@@ -64,8 +64,13 @@ class WorkerHandle(Protocol):
     def pid(self) -> int | None:
         """Process id of the current worker (on its node); None before ``spawn()``."""
 
-    def spawn(self) -> None:
-        """Start a new worker (or take the standby), which builds its envs; returns at once."""
+    def spawn(self, *, is_quiet: bool = False) -> None:
+        """Start a new worker (or take the standby), which builds its envs; returns at once.
+
+        ``is_quiet``: the worker replaces one of a crash loop, whose output was seen already:
+        what it writes is kept for the crash report, not forwarded (where the backend
+        forwards it).
+        """
 
     def handshake(self, deadline: float | None) -> Reply | Death:
         """Wait for the worker's envs: ``Reply(list[EnvDescription])`` or a failure, or death."""

@@ -118,11 +118,14 @@ class WorkerLife:
             env_index=env_index,
         )
 
-    def spawn(self) -> None:
-        """Launch a worker, which starts building its envs; returns without waiting."""
+    def spawn(self, *, is_quiet: bool = False) -> None:
+        """Launch a worker, which starts building its envs; returns without waiting.
+
+        ``is_quiet``: it replaces a worker of a crash loop (see ``WorkerHandle.spawn``).
+        """
         if self.is_abandoned:  # dropped while a thread was respawning it
             raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
-        self._handle.spawn()
+        self._handle.spawn(is_quiet=is_quiet)
         self._stats.note_spawn()
         self._on_spawn()
         self._init_deadline = (
@@ -150,7 +153,9 @@ class WorkerLife:
                 if self.is_closing.is_set() or self.is_abandoned:  # seen dying as it is closed
                     raise ClosedEnvironmentError(f"{self.envs_text()}: closed during a respawn.")
                 self._bury(cause)
-                self.spawn()
+                # From the third worker of a crash loop on, its output (the same each time,
+                # most likely) is kept for EnvCrashLoopError, not forwarded.
+                self.spawn(is_quiet=self._ledger.deaths_in_a_row >= 2)
                 next_cause = self._handshake()
                 if next_cause is None:
                     self.set_state(EnvState.READY)

@@ -4,9 +4,11 @@ A chaos run, or a week-long run with a flaky env, respawns workers thousands of 
 WARNING line each would drown the program's own progress output. ``FailureLog`` logs the
 first ``first_per_env`` failures of each worker one by one (so the first failure of every env
 is always seen, with its cause), then counts the rest and logs one summary line, at most
-every ``summary_every_s`` seconds, with the counts by cause. A failure that follows another
-without a successful call in between (a crash loop forming) is always logged one by one,
-and the crash-loop error itself is logged at ERROR by the supervisor, never counted here.
+every ``summary_every_s`` seconds, with the counts by cause. Failures that follow each other
+with no successful call in between (a crash loop forming) are logged one by one up to
+``first_per_env`` in a row, then at the 4th, 8th, 16th... in a row, so that a crash loop
+of 20 respawns is 6 lines; the crash-loop error itself is raised to the caller, and its
+first line logged at ERROR by the supervisor, never counted here.
 
 One ``FailureLog`` serves the whole parent process (``failure_log``); every supervisor and
 handle reports to it. It is pure apart from the logger, with the clock injected.
@@ -74,7 +76,7 @@ class FailureLog:
         failure_number: int,
         cause: str,
         message: str,
-        is_repeat_failure: bool = False,
+        deaths_in_a_row: int = 1,
     ) -> bool:
         """Log one failure, or count it for the next summary line; True if a line was logged.
 
@@ -83,15 +85,25 @@ class FailureLog:
             failure_number: How many times this worker has failed, this time included.
             cause: Short cause, e.g. ``"SIGKILL"`` or ``"timeout"``, for the summary counts.
             message: The full line to log when this failure is logged one by one.
-            is_repeat_failure: The worker failed again before any call succeeded: always
-                logged, since it may be a crash loop forming.
+            deaths_in_a_row: Failures of this worker since its last successful call, this
+                one included: from 2 on, a crash loop may be forming, whose failures are
+                logged one by one up to ``first_per_env`` in a row, then at each power of 2.
         """
+        first = self._first_per_env
+        in_a_row = deaths_in_a_row
+        is_loop_logged = in_a_row > 1 and (in_a_row <= first or in_a_row & (in_a_row - 1) == 0)
         with self._lock:
-            if is_repeat_failure or failure_number <= self._first_per_env:
-                if failure_number == self._first_per_env:
+            if is_loop_logged or failure_number <= first:
+                if in_a_row == first:
+                    after = 1 << first.bit_length()  # the next power of 2
+                    message += (
+                        f" (a crash loop: its next failures are logged at {after}, "
+                        f"{2 * after}, {4 * after}... in a row)"
+                    )
+                elif failure_number == first:
                     message += (
                         f" (this worker's later failures are counted and logged once every "
-                        f"{self._summary_every_s:g} s; crash loops are always logged)"
+                        f"{self._summary_every_s:g} s; a crash loop as it forms)"
                     )
                 self._logger.warning("%s", message)
                 self._summarize_if_due()

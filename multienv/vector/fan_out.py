@@ -23,7 +23,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from multienv.errors import WaitTimeoutError
+from multienv.errors import EnvCrashedError, WaitTimeoutError
 from multienv.supervision.handles import VectorLink
 from multienv.supervision.supervisor import WorkerSupervisor
 from multienv.wire.info_columns import contiguous_slice
@@ -197,8 +197,9 @@ def collect_slices(futures: list[Future[ByWorker]], timeout: float | None, name:
 def raise_first(errors: dict[int, BaseException]) -> None:
     """Raise the lowest env index's error, after logging the others."""
     first, *others = sorted(errors)
-    for env_index in others:  # its first line: a crash loop's was logged whole already
-        logger.error("env %d: failed too: %s", env_index, _first_line(errors[env_index]))
+    for env_index in others:  # its first line; a crash loop's was logged already
+        if not isinstance(errors[env_index], EnvCrashedError):
+            logger.error("env %d: failed too: %s", env_index, _first_line(errors[env_index]))
     raise errors[first]
 
 

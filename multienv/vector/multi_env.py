@@ -26,6 +26,7 @@ from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector import AutoresetMode, VectorEnv
 
 from multienv.errors import (
+    ERRORS_OF_USER_CODE,
     EnvError,
     EnvStateError,
     NoPendingCallError,
@@ -253,7 +254,10 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
             and self._pending_reset is None
             and plane.send(actions)
         ):
-            return self._receive_planned(plane, None)
+            try:
+                return self._receive_planned(plane, None)
+            except ERRORS_OF_USER_CODE as exc:  # cut as clocked() cuts the pool's
+                raise exc.with_traceback(None) from exc.__cause__
         return self._step_by_pool(actions)
 
     @clocked

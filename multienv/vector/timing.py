@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 
+from multienv.errors import ERRORS_OF_USER_CODE
 from multienv.supervision.handles import SharedMemoryLink
 from multienv.supervision.worker_stats import LatencyRing
 
@@ -32,13 +33,20 @@ _now = time.perf_counter
 
 
 def clocked(method: F) -> F:
-    """Add each call's duration to its vector's clock (``self._clock``, a ``CallClock``)."""
+    """Add each call's duration to its vector's clock (``self._clock``, a ``CallClock``).
+
+    An error of the user's code or env (``ERRORS_OF_USER_CODE``) leaves with its traceback
+    cut here, as ``raised_here`` cuts it: a crash loop's went through some 80 of multienv's
+    frames, one respawn and replay after another, which say nothing the message does not.
+    """
 
     @functools.wraps(method)
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
         began = _now()
         try:
             return method(self, *args, **kwargs)
+        except ERRORS_OF_USER_CODE as exc:
+            raise exc.with_traceback(None) from exc.__cause__  # multienv's frames left out
         finally:
             self._clock.in_calls_s += _now() - began
 

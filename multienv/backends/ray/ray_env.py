@@ -194,8 +194,11 @@ class ActorHandle:
 
     # ----------------------------------------------------------------- actor
 
-    def spawn(self) -> None:
-        """Create a new actor (or take the standby) building its envs; returns without waiting."""
+    def spawn(self, *, is_quiet: bool = False) -> None:
+        """Create a new actor (or take the standby) building its envs; returns without waiting.
+
+        ``is_quiet`` changes nothing here: Ray forwards its actors' output itself.
+        """
         self._forget()
         self._pid = self._node_id = None
         self._actor, self.in_flight = self._standby or self._launch()

@@ -120,8 +120,11 @@ class ProcessHandle(ReplyWait):
 
     # ----------------------------------------------------------------- process
 
-    def spawn(self) -> None:
-        """Start a new worker process (or take the standby); its envs are built meanwhile."""
+    def spawn(self, *, is_quiet: bool = False) -> None:
+        """Start a new worker process (or take the standby); its envs are built meanwhile.
+
+        ``is_quiet``: its stderr is kept for the crash report, not forwarded (a crash loop's).
+        """
         self._release()
         standby, self._standby = self._standby, None
         ready: Reply | None = None
@@ -129,7 +132,7 @@ class ProcessHandle(ReplyWait):
         if taken is not None:
             launched, ready = taken
         else:
-            launched = self._recipe.launch()
+            launched = self._recipe.launch(is_quiet=is_quiet)
         self._ready_reply = ready
         process = launched.process
         self._process, self._conn, self._pid = process, launched.conn, process.pid

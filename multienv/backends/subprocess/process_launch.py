@@ -85,8 +85,12 @@ class WorkerRecipe:
     settings: WorkerSettings = dataclasses.field(default_factory=WorkerSettings)
     is_probe: bool = False
 
-    def launch(self) -> Launched:
-        """Start the process (from the module server when it can); relay its stderr."""
+    def launch(self, *, is_quiet: bool = False) -> Launched:
+        """Start the process (from the module server when it can); relay its stderr.
+
+        ``is_quiet``: keep its stderr for the crash report without forwarding it, unless
+        ``MULTIENV_WORKER_STDERR`` asks for every line.
+        """
         parent_conn, child_conn = self.context.Pipe()
         stderr_read, stderr_write = self.context.Pipe(duplex=False)
         try:
@@ -94,7 +98,7 @@ class WorkerRecipe:
         finally:
             child_conn.close()
             stderr_write.close()
-        stderr = stderr_relay.relay(stderr_read, _STDERR_TAIL_LINES)
+        stderr = stderr_relay.relay(stderr_read, _STDERR_TAIL_LINES, is_quiet=is_quiet)
         logger.info("env %d: started worker pid %d", self.env_index, process.pid)
         return Launched(process, parent_conn, MessageReader(parent_conn.fileno()), stderr)
 

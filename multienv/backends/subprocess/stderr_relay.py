@@ -9,11 +9,14 @@ this: starting 16 of them took 9-13 ms of a later vector's start-up, a fifth of 
 It forwards whole lines, so that the output of workers writing at once never interleaves
 within a line. A worker's crash dump (``faulthandler``'s, from ``Fatal Python error:`` to
 the pipe's end) is written as one block when the worker is gone, and only the first
-``_DUMPS_SHOWN`` of the process are, each cut at ``_DUMP_LINES`` lines: a crash loop of
-many workers would otherwise bury its ``EnvCrashLoopError`` (which carries the worker's
-last lines anyway) under hundreds of dumps. ``MULTIENV_WORKER_STDERR`` chooses, read when
-each worker starts: ``limited`` (the default, as above), ``all`` (every line, every dump
-in full), ``off`` (nothing forwarded; the last lines are still kept), or a file path
+``_DUMPS_SHOWN`` of the process are, each cut to its first line and the frames of the code
+that crashed (see below): a crash loop of many workers would otherwise bury its
+``EnvCrashLoopError`` (which carries the worker's last lines anyway) under hundreds of
+dumps. A worker that replaces one of a crash loop (the third in a row and later) forwards
+nothing: what it says is most likely what the two before it said, and its last lines come
+with the error. ``MULTIENV_WORKER_STDERR`` chooses, read when each worker starts:
+``limited`` (the default, as above), ``all`` (every line, every dump in full, from every
+worker), ``off`` (nothing forwarded; the last lines are still kept), or a file path
 (everything appended to that file instead of stderr).
 
 The last lines kept for a crash report (``StderrPipe.last_lines``) are the env's own
@@ -37,13 +40,13 @@ logger = logging.getLogger(__name__)
 
 _DUMP_START = b"Fatal Python error: "  # faulthandler's first line
 _DUMPS_SHOWN = 3  # crash dumps forwarded per process by default; the others held back
-_DUMP_LINES = 40  # lines of each forwarded dump
+_DUMP_LINES = 200  # lines of a dump kept to forward whole (the setting "all" keeps all)
 _DUMP_FRAMES = 6  # frames of the crashed thread kept in last_lines, outside multienv
 # The crashed thread's Python stack: "Stack (most recent call first):" (one thread) or
 # "Current thread 0x7f... (most recent call first):", never the C stack of CPython 3.14.
 _STACK_HEADER = re.compile(r"^(Stack|Current thread 0x[0-9a-fA-F]+)\b.*most recent call first")
 _FRAME = '  File "'
-_MULTIENV_FILES = f'{_FRAME}{Path(__file__).resolve().parents[2]}{os.sep}'
+_MULTIENV_FILES = f"{_FRAME}{Path(__file__).resolve().parents[2]}{os.sep}"
 SETTING = "MULTIENV_WORKER_STDERR"
 
 
@@ -55,7 +58,7 @@ class StderrPipe:
         tail_lines: How many of the last lines to keep.
     """
 
-    def __init__(self, conn: Connection, tail_lines: int) -> None:
+    def __init__(self, conn: Connection, tail_lines: int, is_quiet: bool = False) -> None:
         """Keep the pipe; ``relay`` registers it."""
         self.tail: deque[str] = deque(maxlen=tail_lines)  # the env's own, outside a dump
         self._conn = conn
@@ -64,6 +67,8 @@ class StderrPipe:
         self._dump_summary: list[str] = []  # its first line and the crashed code's frames
         self._stack = "before"  # where the dump's reading is: before, in or after the stack
         self._setting = os.environ.get(SETTING, "limited").strip() or "limited"
+        if is_quiet and self._setting == "limited":
+            self._setting = "off"
         self._is_closed = threading.Event()
 
     def join(self, timeout: float | None = None) -> None:
@@ -120,7 +125,7 @@ class StderrPipe:
             elif (
                 len(summary) <= _DUMP_FRAMES
                 and not line.startswith(_MULTIENV_FILES)
-                and not line.startswith(f'{_FRAME}<')  # "<string>", the server's -c
+                and not line.startswith(f"{_FRAME}<")  # "<string>", the server's -c
             ):
                 summary.append(line)
 
@@ -129,6 +134,9 @@ class StderrPipe:
             self._forward([self._partial])
             self._partial = b""
         if self._dump is not None:
+            if self._setting == "limited":
+                hint = f"  [crash dump cut to its frames outside multienv; {SETTING}=all shows it]"
+                self._dump = [line.encode() for line in (*self._dump_summary, hint)]
             _write_dump(self._setting, self._dump)
             self._dump = None
         self._conn.close()
@@ -140,6 +148,8 @@ _dumps = {"shown": 0, "held": 0}  # this process's crash dumps (one relay thread
 
 def _write_dump(setting: str, dump: list[bytes]) -> None:
     """Write one worker's crash dump as a block, if this process shows it; else count it."""
+    if setting == "off":
+        return
     if setting == "limited" and _dumps["shown"] >= _DUMPS_SHOWN:
         _dumps["held"] += 1
         if _dumps["held"] == 1:
@@ -151,8 +161,6 @@ def _write_dump(setting: str, dump: list[bytes]) -> None:
             )
         return
     _dumps["shown"] += 1
-    if setting != "all" and len(dump) > _DUMP_LINES:
-        dump = [*dump[:_DUMP_LINES], b"  [crash dump cut at %d lines]" % _DUMP_LINES]
     _write(setting, b"".join(line + b"\n" for line in dump))
 
 
@@ -212,10 +220,14 @@ _lock = threading.Lock()
 _relay: _Relay | None = None
 
 
-def relay(conn: Connection, tail_lines: int) -> StderrPipe:
-    """Forward the stderr pipe ``conn`` (its read end) to ours until EOF; keep its last lines."""
+def relay(conn: Connection, tail_lines: int, *, is_quiet: bool = False) -> StderrPipe:
+    """Forward the stderr pipe ``conn`` (its read end) to ours until EOF; keep its last lines.
+
+    ``is_quiet``: keep the last lines without forwarding any, unless the setting is ``all``
+    or a file (a crash loop's later workers).
+    """
     global _relay  # noqa: PLW0603 - one relay thread per process
-    pipe = StderrPipe(conn, tail_lines)
+    pipe = StderrPipe(conn, tail_lines, is_quiet)
     with _lock:
         # A forked child inherits the object but not the thread, and shares the selector.
         if _relay is None or _relay.pid != os.getpid():
