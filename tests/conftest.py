@@ -84,6 +84,27 @@ def wait_until_dead(pids, within_s=10.0):
     raise AssertionError(f"{pids} still alive {within_s} s after SIGKILL")
 
 
+# What a test could leave in /dev/shm: multienv's own files, its CPU claims aside (they are
+# the machine's, reused by later runs, and test_cpu_claims checks them), and Python's shared
+# memory. multienv names no semaphore (its processes and pipes make none) and its batch
+# buffer is an anonymous memory file. Another program's files are never a leak of a test's,
+# so a check beside other runs (their sem.mp-*, a chaos harness's chaos-ctl-<pid>.bin)
+# counts only these.
+_LEAKABLE_SHM_PREFIXES = ("multienv", "psm_", "pym-")
+_MACHINE_SHM_PREFIXES = ("multienv-cpu-",)
+
+
+def leakable_shm_names() -> set[str]:
+    """The names in /dev/shm that a test of multienv could have left behind."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {
+        name
+        for name in os.listdir("/dev/shm")
+        if name.startswith(_LEAKABLE_SHM_PREFIXES) and not name.startswith(_MACHINE_SHM_PREFIXES)
+    }
+
+
 # How EnvError names a step that raised ValueError in its worker, as a regex.
 STEP_RAISED = r"step\(\) raised ValueError in its worker \(pid \d+\)"
 

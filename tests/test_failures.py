@@ -69,7 +69,7 @@ def test_a_remote_error_chains_the_env_exception_and_its_worker_traceback():
     assert isinstance(error, ValueError)  # except ValueError catches it, as with AsyncVectorEnv
     assert str(error) == (
         "env 5: step() raised ValueError in its worker (pid 1234): bad; the env's traceback "
-        "is above. The worker lives."
+        "is chained to this error (its __cause__). The worker lives."
     )
     assert isinstance(error.__cause__, ValueError)
     assert isinstance(error.__cause__.__cause__, RemoteTraceback)

@@ -13,6 +13,7 @@ import functools
 import os
 import signal
 import threading
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -27,7 +28,7 @@ from multienv import (
     RestartPolicy,
     create_subprocess_envs,
 )
-from tests.conftest import STEP_RAISED, Layout, live_workers
+from tests.conftest import STEP_RAISED, Layout, leakable_shm_names, live_workers
 from tests.envs import (
     ActionTypeEnv,
     BigFrameEnv,
@@ -338,7 +339,7 @@ def test_send_recv_partial_batches(layout):
 def test_close_is_bounded_and_leaves_no_process_fd_or_shared_memory(layout):
     MultiEnv([CountingEnv], **layout.options).close()  # the forkserver's fds stay: start it
     fds_before = open_fds()
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = leakable_shm_names()
     fns = [CountingEnv] * N
     fns[1] = functools.partial(HangOnStep, at_count=1)
     envs = MultiEnv(fns, **layout.options)
@@ -349,7 +350,24 @@ def test_close_is_bounded_and_leaves_no_process_fd_or_shared_memory(layout):
     assert layout.live() == []
     if layout.backend == "subprocess":  # Ray's client opens and closes fds of its own
         assert open_fds() <= fds_before
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert leakable_shm_names() <= shm_before
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_a_leak_check_counts_what_a_test_could_leave_not_another_programs_files():
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    foreign = [f"/dev/shm/chaos-ctl-{tag}.bin", f"/dev/shm/sem.mp-{tag}"]
+    ours = f"/dev/shm/multienv-left-{tag}"
+    before = leakable_shm_names()
+    try:
+        for path in [*foreign, ours]:
+            with open(path, "wb"):
+                pass
+        assert leakable_shm_names() - before == {os.path.basename(ours)}
+    finally:
+        for path in [*foreign, ours]:
+            os.unlink(path)
+    assert leakable_shm_names() == before
 
 
 @pytest.mark.fault

@@ -12,6 +12,7 @@ from gymnasium.vector import SyncVectorEnv
 
 from multienv import EnvStateError, MultiEnv, create_subprocess_envs
 from multienv.wire.framing import DONE_OK, DONE_RECORD
+from tests.conftest import leakable_shm_names
 from tests.envs import CountingEnv, KilledAfterItsDoneRecord, SleepyEnv, TextObsEnv
 
 pytestmark = pytest.mark.timeout(60)
@@ -129,13 +130,13 @@ def test_copy_false_returns_views_of_shared_memory_and_copy_true_does_not():
 
 
 def test_shared_memory_leaves_nothing_in_dev_shm():
-    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    before = leakable_shm_names()
     with MultiEnv([CountingEnv] * 3) as envs:
         envs.reset()
         envs.step(np.ones(3, dtype=np.int64))
         os.kill(envs.envs[1].pid, signal.SIGKILL)
         envs.step(np.ones(3, dtype=np.int64))
-        during = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        during = leakable_shm_names()
     assert during == before  # the memory file has no name
 
 

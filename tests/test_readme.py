@@ -42,6 +42,8 @@ def test_readme_example_runs(script, tmp_path):
         [sys.executable, str(path)], capture_output=True, text=True, timeout=170, cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    for printed in re.findall(r"# prints: (.+)$", script, re.MULTILINE):  # what it says it prints
+        assert printed.strip() in done.stdout, done.stdout[-3000:]
 
 
 def test_the_readme_and_docs_have_runnable_examples():

@@ -80,3 +80,23 @@ def test_a_vector_of_frame_envs_holds_their_bounds_once():
         assert obs.shape == (3, 32, 32, 3)
         assert envs.observation_space.contains(obs)
     assert live_workers() == []
+
+
+def test_small_boxes_keep_writable_bounds_as_sync_vector_env_has_them():
+    # TorchRL's GymWrapper turns the bounds into tensors and warns at read-only arrays;
+    # holding a CartPole's bounds N times costs nothing, a frame's 400 KiB a time does.
+    with MultiEnv([lambda: gym.make("CartPole-v1")] * 3) as envs:
+        spaces = [envs.single_observation_space, envs.observation_space]
+        spaces += [envs.single_action_space, envs.action_space]
+        spaces += [proxy.observation_space for proxy in envs.envs]
+        for space in spaces:
+            for name in ("low", "high"):
+                bounds = getattr(space, name, None)
+                if bounds is not None:
+                    assert bounds.flags.writeable, (space, name)
+        assert (
+            envs.observation_space
+            == gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 3).observation_space
+        )
+    with MultiEnv([FrameEnv] * 2) as envs:  # a frame's stay shared, read-only
+        assert not envs.observation_space.low.flags.writeable

@@ -151,7 +151,7 @@ def test_env_error_carries_index_type_message_and_traceback_and_worker_survives(
             proxy.step(0)
         message = str(caught.value)
         assert message.startswith("env 4: step() raised ValueError in its worker (pid")
-        assert "): boom at count 2; the env's traceback is above." in message
+        assert "): boom at count 2; the env's traceback is chained to this error" in message
         assert caught.value.env_index == 4
         original = caught.value.__cause__
         assert isinstance(original, ValueError)

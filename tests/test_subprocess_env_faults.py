@@ -22,7 +22,7 @@ from multienv import (
     RestartPolicy,
     SubprocessEnv,
 )
-from tests.conftest import STEP_RAISED, live_workers
+from tests.conftest import STEP_RAISED, leakable_shm_names, live_workers
 from tests.envs import (
     AllocateOnStep,
     Chaotic,
@@ -559,16 +559,8 @@ def _rss_kib():
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
 
 
-def _our_shm_files() -> set[str]:
-    """The /dev/shm names multienv or multiprocessing make; another program's are no leak."""
-    if not os.path.isdir("/dev/shm"):
-        return set()
-    prefixes = ("multienv", "sem.mp-", "mp-", "psm_")
-    return {name for name in os.listdir("/dev/shm") if name.startswith(prefixes)}
-
-
 def test_hygiene_after_500_respawns():
-    shm_before = _our_shm_files()
+    shm_before = leakable_shm_names()
     policy = RestartPolicy(max_restarts=100_000, window_s=60, backoff=0.0)
     proxy = ready(CountingEnv, restart_policy=policy)
     try:
@@ -588,4 +580,4 @@ def test_hygiene_after_500_respawns():
     finally:
         proxy.close()
     assert live_workers() == []
-    assert _our_shm_files() - shm_before == set()
+    assert leakable_shm_names() - shm_before == set()

@@ -5,6 +5,7 @@ Each script runs in a fresh interpreter, as a user's would, with a timeout.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -210,6 +211,71 @@ def test_code_pickled_by_value_gets_the_scripts_file_back(monkeypatch, tmp_path)
     assert namespace["helper"].__code__.co_filename == str(script)  # what it calls
     restore_script_names(my_env)
     assert my_env.step.__code__.co_filename == str(script)
+
+
+def test_a_partial_or_a_bound_method_gets_the_scripts_file_back(monkeypatch, tmp_path):
+    """docs/troubleshooting.rst recommends functools.partial against the late-bound lambda."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "def make(length):\n"
+        "    return MyEnv()\n"
+        "class MyEnv:\n"
+        "    def step(self):\n"
+        "        return 2\n"
+        "class Factory:\n"
+        "    def build(self):\n"
+        "        return 3\n"
+    )
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(script.read_text(), DYNAMIC_CODE, "exec"), namespace)  # as unpickled
+    make, my_env, factory = namespace["make"], namespace["MyEnv"], namespace["Factory"]
+
+    env_fn = functools.partial(make, 3)
+    assert restore_script_names(env_fn) is env_fn
+    assert make.__code__.co_filename == str(script)
+    assert my_env.step.__code__.co_filename == str(script)  # what the function uses
+    restore_script_names(factory().build)
+    assert factory.build.__code__.co_filename == str(script)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("factory", ["functools.partial(make, 3)", "lambda: make(3)", "make"])
+def test_an_env_that_raises_shows_the_same_traceback_however_its_factory_is_written(
+    tmp_path, factory
+):
+    done, _ = run_script(
+        tmp_path,
+        f"""\
+        import functools
+
+        import gymnasium as gym
+        from multienv import EnvError, MultiEnv
+
+
+        class BrokenEnv(gym.Wrapper):
+            def step(self, action):
+                raise ValueError("reward out of range")
+
+
+        def make(length=3):
+            return BrokenEnv(gym.make("CartPole-v1"))
+
+
+        if __name__ == "__main__":
+            with MultiEnv([{factory}] * 2) as envs:
+                envs.reset(seed=0)
+                envs.step(envs.action_space.sample())
+        """,
+    )
+    assert done.returncode == 1
+    text = done.stderr
+    script = tmp_path / "train.py"
+    assert f'File "{script}", line 9, in step' in text, text
+    assert 'raise ValueError("reward out of range")' in text  # its source line
+    assert DYNAMIC_CODE not in text
 
 
 def test_step_before_reset_is_refused_here_and_sends_nothing():

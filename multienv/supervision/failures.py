@@ -154,7 +154,8 @@ def remote_error(
     call = "env_fn" if name == "initialize" else f"{name}()"
     error = error_class(
         f"env {env_index}: {call} raised {failure.type_name} in its worker (pid {pid}): "
-        f"{failure.message}; the env's traceback is above. {advice}",
+        f"{failure.message}; the env's traceback is chained to this error (its __cause__). "
+        f"{advice}",
         env_index=env_index,
     )
     error.__cause__ = cause

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 _now = time.perf_counter
+# A worker is named among the slowest when its median is this much over the median worker's
+# (and by this many seconds at least): not for 0.01 ms of scheduling noise.
+_SLOW = 1.25
+_SLOW_BY_S = 0.1e-3
 
 
 def clocked(method: F) -> F:
@@ -66,7 +70,8 @@ class CallClock:
         self._steps = steps
         self._steps_s = steps.total_s  # their sum when the window started
         self._since = time.perf_counter()
-        self._counts: dict[int, tuple[int, int, float, float]] = {}  # by worker, at the start
+        # By worker, at the start: restarts, recycles, their seconds, and steps.
+        self._counts: dict[int, tuple[int, int, float, float, int]] = {}
 
     def report(
         self,
@@ -88,14 +93,22 @@ class CallClock:
         wall_s = now - self._since
         in_calls_s = min(self.in_calls_s + self._steps.total_s - self._steps_s, wall_s)
         workers: list[dict[str, Any]] = []
+        stepped = set(range(len(supervisors)))
         for number, (supervisor, ids) in enumerate(zip(supervisors, env_ids, strict=True)):
             stats = supervisor.stats
             latencies = stats.latencies()
             p50, p99 = _percentiles(latencies)
             own = batch_times[number] if batch_times is not None else np.empty(0)
             own_p50, own_p99 = _percentiles(own)
-            counts = (stats.restarts, stats.recycles, stats.restart_s, stats.recycle_s)
-            before = self._counts.get(number, (0, 0, 0.0, 0.0))
+            stats.flush()
+            counts = (
+                stats.restarts,
+                stats.recycles,
+                stats.restart_s,
+                stats.recycle_s,
+                int(stats.steps.sum()),
+            )
+            before = self._counts.get(number, (0, 0, 0.0, 0.0, 0))
             workers.append(
                 {
                     "worker": number,
@@ -109,6 +122,8 @@ class CallClock:
                     "lost_s": counts[2] + counts[3] - before[2] - before[3],
                 }
             )
+            if counts[4] == before[4]:  # no step in the window: its latencies are older
+                stepped.discard(number)
             if reset:
                 self._counts[number] = counts
         key = (
@@ -116,8 +131,10 @@ class CallClock:
             if any(not math.isnan(w["batch_p50_s"]) for w in workers)
             else ("step_p50_s")
         )
-        timed = [w for w in workers if not math.isnan(w[key])]
-        by_p50 = sorted(timed, key=lambda w: -float(w[key]))
+        timed = [w for w in workers if w["worker"] in stepped and not math.isnan(w[key])]
+        typical = float(np.median([w[key] for w in timed])) if timed else math.nan
+        slow = [w for w in timed if w[key] >= _SLOW * typical and w[key] - typical >= _SLOW_BY_S]
+        by_p50 = sorted(slow, key=lambda w: -float(w[key]))
         report = TimingReport(
             wall_s=wall_s,
             env_s=in_calls_s,
@@ -149,8 +166,13 @@ class TimingApi:
     def stats(self) -> list[dict[str, Any]]:
         """Per env: steps, episodes, restarts, recycles, last failure cause, latency p50/p99 (s).
 
-        The latency is the round trip of the step's batch to the env's worker. It can be
-        read after ``close()`` too: a run's final counts.
+        ``steps`` counts the env's own steps (its ``step`` calls, the transitions it made):
+        under next-step autoreset (the default) the ``step()`` after an env's episode ended
+        resets that env instead, and is not counted, so ``steps + episodes`` is the number of
+        ``step()`` calls (one fewer while the last one ended an episode); under same-step
+        autoreset, ``steps`` is the number of ``step()`` calls. The latency is the round
+        trip of the step's batch to the env's worker. It can be read after ``close()`` too:
+        a run's final counts.
         """
         return [
             {"env_index": env_index, **proxy.supervisor.stats.row(proxy.position)}
@@ -180,8 +202,10 @@ class TimingApi:
             ``wall_s`` (the window), ``env_s`` (the caller's time in the vector's calls),
             ``policy_s`` (the rest: the caller's own work between calls), ``env_bound``
             (``env_s / wall_s``), the ``restarts`` and ``recycles`` of the window and
-            ``lost_s``, the time they took; ``slowest_workers`` (up to 3, by their own
-            median batch time, else by median step latency); and ``workers``: per worker,
+            ``lost_s``, the time they took; ``slowest_workers`` (up to 3, slowest first, of
+            the workers that stepped in the window and whose own median batch time, else
+            median step latency, is at least 1.25x the median worker's and 0.1 ms over it:
+            none when they are alike); and ``workers``: per worker,
             its ``env_ids``; ``step_p50_s`` and ``step_p99_s``, over its recent steps (a
             vector's one-pass steps share one latency for all its workers);
             ``batch_p50_s`` and ``batch_p99_s``, the worker's own time on its latest
@@ -210,7 +234,7 @@ class TimingReport(dict[str, Any]):
         line = (
             f"{self['wall_s']:.2f} s: {self['env_bound']:.0%} in the vector's calls "
             f"({self['env_s']:.2f} s), {self['policy_s']:.2f} s in yours; "
-            f"{self['restarts']} restarts, {self['recycles']} recycles "
+            f"{_counted(self['restarts'], 'restart')}, {_counted(self['recycles'], 'recycle')} "
             f"({self['lost_s']:.2f} s lost)"
         )
         slowest = []
@@ -223,6 +247,11 @@ class TimingReport(dict[str, Any]):
         if slowest:
             line += "\nslowest workers, median batch: " + ", ".join(slowest)
         return line
+
+
+def _counted(count: int, noun: str) -> str:
+    """``1 restart``, ``2 restarts``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _percentiles(times: np.ndarray) -> tuple[float, float]:

@@ -14,7 +14,10 @@ at N=64, and as much pickled and unpickled at start-up. So:
   of tiled copies (``lean_batch_space``).
 
 Shared arrays are made read-only, so that writing into one env's bounds raises instead of
-changing every env's.
+changing every env's. Only Boxes of ``_COMPACT_MIN_SIZE`` elements and more are shared or
+broadcast: a smaller one (CartPole's, HalfCheetah's) costs next to nothing to hold N times,
+and keeps writable bounds as in ``SyncVectorEnv``, which libraries that turn the bounds
+into tensors expect (TorchRL's ``GymWrapper`` warns at a read-only array).
 """
 
 from __future__ import annotations
@@ -89,8 +92,10 @@ def uniform_box(key: tuple[Any, ...], state: dict[str, Any]) -> Box:
 
 
 def share_bounds(space: gym.Space[Any], like: gym.Space[Any]) -> None:
-    """Give ``space`` the bound arrays of ``like`` wherever they are exactly equal."""
+    """Give ``space`` the bound arrays of ``like`` wherever they are exactly equal (large Boxes)."""
     for box, other in _box_pairs(space, like):
+        if box.low.size < _COMPACT_MIN_SIZE:  # small: not worth a read-only share
+            continue
         for name in _BOUNDS:
             mine, theirs = getattr(box, name), getattr(other, name)
             if mine is theirs or mine.dtype != theirs.dtype or not np.array_equal(mine, theirs):
@@ -100,10 +105,10 @@ def share_bounds(space: gym.Space[Any], like: gym.Space[Any]) -> None:
 
 
 def lean_batch_space(space: gym.Space[Any], n: int) -> gym.Space[Any]:
-    """Gymnasium's ``batch_space(space, n)``, its Box bounds broadcast from ``space``'s."""
+    """Gymnasium's ``batch_space(space, n)``, its large Boxes' bounds broadcast from ``space``'s."""
     batched = batch_space(space, n)
     for box, single in _box_pairs(batched, space):
-        if box.shape != (n, *single.shape):
+        if box.shape != (n, *single.shape) or single.low.size < _COMPACT_MIN_SIZE:
             continue
         for name in _BOUNDS:
             view = np.broadcast_to(getattr(single, name), box.shape)  # read-only, no copy

@@ -13,6 +13,7 @@ Two things stand between a user and their own traceback in a worker:
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
@@ -29,7 +30,8 @@ def restore_script_names(obj: Any) -> Any:
     """Name the code of the user's script in ``obj`` after the script again; return ``obj``.
 
     Walks a function or class from ``__main__`` (pickled by value), the functions and
-    classes its globals and closure hold, and their methods. Nothing changes where the
+    classes its globals and closure hold, and their methods; through ``functools.partial``
+    (its function and arguments) and bound methods to theirs. Nothing changes where the
     script has no file here (``python -c``, a notebook) or the code already has a name.
     """
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
@@ -39,6 +41,12 @@ def restore_script_names(obj: Any) -> Any:
     todo = [obj]
     while todo:
         item = todo.pop()
+        if isinstance(item, functools.partial):  # troubleshooting.rst's late-binding cure
+            todo += [item.func, *item.args, *item.keywords.values()]
+            continue
+        if isinstance(item, types.MethodType):
+            todo += [item.__func__, type(item.__self__)]
+            continue
         if id(item) in seen or getattr(item, "__module__", None) not in MAIN_MODULES:
             continue
         seen.add(id(item))
