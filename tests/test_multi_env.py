@@ -24,6 +24,7 @@ from tests.envs import (
     CountingEnv,
     DictObsEnv,
     FragmentingEnv,
+    FrameDictObsEnv,
     SegfaultOnceOnStep,
     SlowReset,
 )
@@ -105,17 +106,21 @@ def test_is_a_gymnasium_vector_env_with_batched_spaces():
 def test_box_bounds_are_held_once_for_all_envs_and_the_batch():
     # Atari frames would otherwise cost 400 KiB of bounds per env, and as much again per
     # env in the batched space (about 50 MiB in the parent at N=64).
-    with MultiEnv([DictObsEnv] * 3, envs_per_worker=2) as envs:
-        boxes = [proxy.observation_space["position"] for proxy in envs.envs]
+    # Small Boxes (under 1,024 elements) are held per env, writable, as SyncVectorEnv's.
+    with MultiEnv([FrameDictObsEnv] * 3, envs_per_worker=2) as envs:
+        boxes = [proxy.observation_space["frame"] for proxy in envs.envs]
         assert all(box.low is boxes[0].low and box.high is boxes[0].high for box in boxes)
         assert all(box.bounded_below is boxes[0].bounded_below for box in boxes)
         assert envs.observation_space == batch_space(envs.single_observation_space, 3)
-        batched = envs.observation_space["position"]
-        assert batched.low.shape == (3, 2)
+        batched = envs.observation_space["frame"]
+        assert batched.low.shape == (3, *envs.single_observation_space["frame"].shape)
         assert np.shares_memory(batched.low, boxes[0].low)
         assert np.shares_memory(batched.bounded_above, boxes[0].bounded_above)
         with pytest.raises(ValueError, match="read-only"):
-            boxes[1].low[0] = 0.0  # shared: a write would change every env's bounds
+            boxes[1].low[0, 0, 0] = 1  # shared: a write would change every env's bounds
+        small = [proxy.observation_space["position"] for proxy in envs.envs]
+        assert small[0].low is not small[1].low
+        assert envs.observation_space["position"].low.flags.writeable
         assert envs.observation_space.contains(envs.observation_space.sample())
         assert envs.observation_space.contains(envs.reset(seed=0)[0])
 

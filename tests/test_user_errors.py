@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 import types
 from pathlib import Path
 
@@ -20,9 +21,9 @@ from gymnasium.error import ResetNeeded
 
 import multienv
 from multienv import MultiEnv
-from multienv.errors import EnvStateError
+from multienv.errors import EnvError, EnvStateError
 from multienv.worker.worker_tracebacks import DYNAMIC_CODE, restore_script_names
-from tests.envs import CountingEnv
+from tests.envs import CountingEnv, RaiseOnReset, RaiseOnStep
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -92,7 +93,7 @@ def test_a_reset_that_always_segfaults_ends_in_one_short_error_that_says_it_neve
 
         if __name__ == "__main__":
             # The backoff is shortened for the test's time; its lines are the default's.
-            policy = RestartPolicy(max_restarts=20, backoff=0.001)
+            policy = RestartPolicy(max_restarts=20, backoff=0.001, max_backoff_s=0.01)
             with MultiEnv([CrashingEnv], restart_policy=policy) as envs:
                 envs.reset(seed=0)
         """,
@@ -337,3 +338,25 @@ def test_a_box_action_batch_of_the_wrong_shape_is_described_as_the_batch():
         with pytest.raises(ValueError, match=r"the action batch has shape \(2,\); expected"):
             envs.step(np.zeros(2, dtype=np.float32))
         assert shape != ()  # a batch of scalars is not one action per env here
+
+
+@pytest.mark.parametrize("call", ["step", "step_async/step_wait", "reset"])
+def test_an_env_error_reaches_the_caller_through_at_most_two_of_multienvs_frames(call):
+    package = os.path.dirname(multienv.__file__)
+    raising = RaiseOnReset if call == "reset" else functools.partial(RaiseOnStep, at_count=1)
+    actions = np.zeros(2, dtype=np.int64)
+    with MultiEnv([CountingEnv, raising]) as envs:
+        if call == "reset":
+            the_call = functools.partial(envs.reset, seed=0)
+        else:
+            envs.reset(seed=0)
+            the_call = functools.partial(envs.step, actions)
+            if call != "step":
+                envs.step_async(actions)
+                the_call = envs.step_wait
+        with pytest.raises(EnvError) as caught:
+            the_call()
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    ours = [frame for frame in frames if frame.filename.startswith(package)]
+    assert len(ours) <= 2, traceback.format_tb(caught.value.__traceback__)
+    assert caught.value.env_index == 1

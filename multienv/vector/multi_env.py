@@ -308,12 +308,14 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
                 batch = self._receive_planned(plane, timeout)  # timed by the data plane
             except WaitTimeoutError:
                 raise  # still in flight: step_wait() again
-            except BaseException:
+            except BaseException as exc:
                 # Collected (an env's EnvError, as the general path raises it) or handed
                 # to the supervisors (Ctrl-C), who drop it before the next call: none pending.
                 # (Ctrl-C while the pool collects a hand-over keeps it, as the pool's own.)
                 if self._pending == []:
                     self._pending = None
+                if isinstance(exc, ERRORS_OF_USER_CODE):  # cut as clocked() cuts the pool's
+                    raise exc.with_traceback(None) from exc.__cause__
                 raise
             self._pending = None
             return batch
