@@ -85,12 +85,12 @@ def wait_until_dead(pids, within_s=10.0):
 
 
 # What a test could leave in /dev/shm: multienv's own files, its CPU claims aside (they are
-# the machine's, reused by later runs, and test_cpu_claims checks them), and Python's shared
-# memory. multienv names no semaphore (its processes and pipes make none) and its batch
-# buffer is an anonymous memory file. Another program's files are never a leak of a test's,
-# so a check beside other runs (their sem.mp-*, a chaos harness's chaos-ctl-<pid>.bin)
-# counts only these.
-_LEAKABLE_SHM_PREFIXES = ("multienv", "psm_", "pym-")
+# the machine's, reused by later runs, and test_cpu_claims checks them). multienv makes no
+# other: its processes and pipes make no named semaphore, its batch buffer is an anonymous
+# memory file, and it uses no multiprocessing.shared_memory. Another program's files are
+# never a leak of a test's, so a check beside other runs (their sem.mp-* or psm_*, a chaos
+# harness's chaos-ctl-<pid>.bin) counts only these.
+_LEAKABLE_SHM_PREFIXES = ("multienv",)
 _MACHINE_SHM_PREFIXES = ("multienv-cpu-",)
 
 

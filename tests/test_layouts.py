@@ -356,7 +356,7 @@ def test_close_is_bounded_and_leaves_no_process_fd_or_shared_memory(layout):
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
 def test_a_leak_check_counts_what_a_test_could_leave_not_another_programs_files():
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
-    foreign = [f"/dev/shm/chaos-ctl-{tag}.bin", f"/dev/shm/sem.mp-{tag}"]
+    foreign = [f"/dev/shm/chaos-ctl-{tag}.bin", f"/dev/shm/sem.mp-{tag}", f"/dev/shm/psm_{tag}"]
     ours = f"/dev/shm/multienv-left-{tag}"
     before = leakable_shm_names()
     try:
