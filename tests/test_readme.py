@@ -17,6 +17,7 @@ OPTIONAL = {
     "stable_baselines3": 'pip install -e ".[sb3]"',
     "torch": "pip install torch (its CPU build on a machine without a GPU)",
     "ray": 'pip install -e ".[ray]"',
+    "torchrl": "pip install torchrl (after a CPU build of torch on a machine without a GPU)",
 }
 
 
@@ -34,6 +35,11 @@ def test_readme_example_runs(script, tmp_path):
     for module, install in OPTIONAL.items():
         if re.search(rf"^\s*(from|import) {module}\b", script, re.MULTILINE):
             pytest.importorskip(module, reason=f"the example needs {module}: {install}")
+    if "NumpyToTorch" in script:  # what gymnasium[torch] brings beside torch, and packaging
+        for module in ("array_api_compat", "packaging"):
+            pytest.importorskip(
+                module, reason=f'the example needs pip install "gymnasium[torch]" {module}'
+            )
     if 'backend="ray"' in script:
         pytest.importorskip("ray", reason=f"the example needs ray: {OPTIONAL['ray']}")
     path = tmp_path / "example.py"
