@@ -27,11 +27,12 @@ CHROOT=${MULTIENV_CHROOT:-/var/tmp/multienv-sid}
 APT=(-o Acquire::Check-Valid-Until=false -q -y)  # sid's Release files may be past it
 SKIPPED="CPython $VERSION: not run: Debian's package registry cannot be reached from here"
 
-host_python() {
-  command -v "python$VERSION" 2>/dev/null && return
-  local root
+host_python() {  # one that runs: pyenv puts a shim for every version on PATH
+  local found root
+  found=$(command -v "python$VERSION" 2>/dev/null) && "$found" -c pass 2>/dev/null && { echo "$found"; return; }
   root=$(pyenv root 2>/dev/null) || return 1
-  ls -d "$root/versions/$VERSION".*/bin/python 2>/dev/null | sort -V | tail -n 1 | grep .
+  found=$(ls -d "$root/versions/$VERSION".*/bin/python 2>/dev/null | sort -V | tail -n 1)
+  [ -n "$found" ] && "$found" -c pass 2>/dev/null && echo "$found"
 }
 
 run_on_host() {
