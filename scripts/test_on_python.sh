@@ -36,9 +36,10 @@ host_python() {  # one that runs: pyenv puts a shim for every version on PATH
 }
 
 run_on_host() {
-  local venv="$VENVS/multienv-py$VERSION"
-  [ -x "$venv/bin/python" ] || "$1" -m venv "$venv"
-  echo "== CPython $VERSION ($("$venv/bin/python" -c 'import sys; print(sys.version.split()[0])'), $1)"
+  local python=$1 venv="$VENVS/multienv-py$VERSION"
+  shift
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  echo "== CPython $VERSION ($("$venv/bin/python" -c 'import sys; print(sys.version.split()[0])'), $python)"
   cd "$SRC"
   "$venv/bin/python" -m pip install -q -e ".[test]"
   "$venv/bin/python" -m pytest "$@"
