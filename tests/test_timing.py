@@ -92,7 +92,9 @@ def test_timing_prints_as_a_short_summary():
             envs.step(np.zeros(4, dtype=np.int64))
         report = envs.timing()
     text = str(report).splitlines()
-    assert len(text) == 1  # alike workers: none named the slowest for noise
+    # Alike workers: none is named the slowest for noise, unless a busy machine made one
+    # 1.25x and 0.1 ms slower than the median at its median.
+    assert len(text) == 1 or text[1].startswith("slowest workers, median batch: worker ")
     assert "in the vector's calls" in text[0]
     assert "0 restarts, 0 recycles" in text[0]
     assert report["workers"][0]["env_ids"] == [0, 1]  # still the dict it was

@@ -184,10 +184,23 @@ def test_a_constructor_error_reads_like_the_users_own_code(tmp_path):
     assert len(text.splitlines()) <= 22, text
 
 
+def unpickled_script(monkeypatch, script: Path, source: str) -> dict:
+    """Run ``source`` as the script ``__main__`` at ``script``, its code named as unpickled."""
+    script.write_text(source)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(source, DYNAMIC_CODE, "exec"), namespace)  # as cloudpickle >= 3.1 names it
+    return namespace
+
+
 def test_code_pickled_by_value_gets_the_scripts_file_back(monkeypatch, tmp_path):
     """cloudpickle >= 3.1 names such code "<dynamic-code>"; the worker renames it."""
     script = tmp_path / "train.py"
-    script.write_text(
+    namespace = unpickled_script(
+        monkeypatch,
+        script,
         "def make():\n"
         "    def inner():\n"
         "        return helper()\n"
@@ -196,13 +209,8 @@ def test_code_pickled_by_value_gets_the_scripts_file_back(monkeypatch, tmp_path)
         "    return 1\n"
         "class MyEnv:\n"
         "    def step(self):\n"
-        "        return 2\n"
+        "        return 2\n",
     )
-    main = types.ModuleType("__main__")
-    main.__file__ = str(script)
-    monkeypatch.setitem(sys.modules, "__main__", main)
-    namespace: dict = {"__name__": "__main__"}
-    exec(compile(script.read_text(), DYNAMIC_CODE, "exec"), namespace)  # as unpickled
     make, my_env = namespace["make"], namespace["MyEnv"]
     assert make.__code__.co_filename == DYNAMIC_CODE
 
@@ -217,7 +225,9 @@ def test_code_pickled_by_value_gets_the_scripts_file_back(monkeypatch, tmp_path)
 def test_a_partial_or_a_bound_method_gets_the_scripts_file_back(monkeypatch, tmp_path):
     """docs/troubleshooting.rst recommends functools.partial against the late-bound lambda."""
     script = tmp_path / "train.py"
-    script.write_text(
+    namespace = unpickled_script(
+        monkeypatch,
+        script,
         "def make(length):\n"
         "    return MyEnv()\n"
         "class MyEnv:\n"
@@ -225,13 +235,8 @@ def test_a_partial_or_a_bound_method_gets_the_scripts_file_back(monkeypatch, tmp
         "        return 2\n"
         "class Factory:\n"
         "    def build(self):\n"
-        "        return 3\n"
+        "        return 3\n",
     )
-    main = types.ModuleType("__main__")
-    main.__file__ = str(script)
-    monkeypatch.setitem(sys.modules, "__main__", main)
-    namespace: dict = {"__name__": "__main__"}
-    exec(compile(script.read_text(), DYNAMIC_CODE, "exec"), namespace)  # as unpickled
     make, my_env, factory = namespace["make"], namespace["MyEnv"], namespace["Factory"]
 
     env_fn = functools.partial(make, 3)
