@@ -7,8 +7,8 @@ is always seen, with its cause), then counts the rest and logs one summary line,
 every ``summary_every_s`` seconds, with the counts by cause. Failures that follow each other
 with no successful call in between (a crash loop forming) are logged one by one up to
 ``first_per_env`` in a row, then at the 4th, 8th, 16th... in a row, so that a crash loop
-of 20 respawns is 6 lines; the crash-loop error itself is raised to the caller, and its
-first line logged at ERROR by the supervisor, never counted here.
+of 20 respawns is 6 lines; the crash-loop error itself is raised to the caller, and one
+line about it logged at ERROR by the restart ledger, never counted here.
 
 One ``FailureLog`` serves the whole parent process (``failure_log``); every supervisor and
 handle reports to it. It is pure apart from the logger, with the clock injected.

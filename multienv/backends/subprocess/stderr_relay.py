@@ -46,7 +46,8 @@ _DUMP_FRAMES = 6  # frames of the crashed thread kept in last_lines, outside mul
 # "Current thread 0x7f... (most recent call first):", never the C stack of CPython 3.14.
 _STACK_HEADER = re.compile(r"^(Stack|Current thread 0x[0-9a-fA-F]+)\b.*most recent call first")
 _FRAME = '  File "'
-_MULTIENV_FILES = f"{_FRAME}{Path(__file__).resolve().parents[2]}{os.sep}"
+# multienv's own files, by the path its workers print (abspath: a symlink is not resolved)
+_MULTIENV_FILES = f"{_FRAME}{Path(os.path.abspath(__file__)).parents[2]}{os.sep}"
 SETTING = "MULTIENV_WORKER_STDERR"
 
 
