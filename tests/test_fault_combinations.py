@@ -313,7 +313,10 @@ def test_a_wait_with_a_timeout_keeps_it_after_a_hand_over(call):
     step_wait(timeout)/reset_wait(timeout) still return by the timeout, the round in flight;
     the next wait collects it, the dead worker's env flagged (or its reset replayed)."""
     slow = functools.partial(IncarnationEnv, step_sleep_s=1.5, reset_sleep_s=1.5)
-    with MultiEnv([slow, IncarnationEnv], restart_policy=_BUDGET) as envs:
+    # Env 1's call lasts long enough for the kill to land in it: an instant one could be
+    # done first on a busy machine (seen once beside other runs), and nothing be flagged.
+    killed = functools.partial(IncarnationEnv, step_sleep_s=0.5, reset_sleep_s=0.5)
+    with MultiEnv([slow, killed], restart_policy=_BUDGET) as envs:
         envs.reset(seed=0)
         if call == "step_wait":
             envs.step_async(np.zeros(2, np.int64))
