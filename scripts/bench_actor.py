@@ -19,6 +19,10 @@ instead, as a policy on the CPU does. Each row's loop, with the policy's latency
   default layout, and at one env per worker (``k=1``), where ``recv`` takes the first envs
   done from any worker, so that no worker's slowest env holds back its others (``step()``
   at k=1 beside it);
+- ``send/recv auto``: the same loop with ``recv(batch_size="auto")``, the batch the vector
+  picks by timing whole and half batches in this loop ("picked" says which, by round);
+- ``send/recv ready``: ``recv(batch_size=N, take="ready")``, every env done as soon as one
+  is (a policy server's loop);
 - ``ale-py sync`` / ``ale-py async`` (Pong): ale-py's own ``AtariVectorEnv``, as a peer,
   the same two loops (``batch_size=N // 2`` for the second).
 
@@ -26,8 +30,8 @@ Both multienv rows run the default layout (``envs_per_worker`` as many workers a
 every sample in a fresh process, the rows interleaved in rounds; figures are medians over
 rounds and each ratio ("x step") is the median of the ratios within one round, so a noisy
 neighbour slows both sides alike. "half" as a latency is half the time one ``step()`` of
-the whole batch takes with no policy, measured in the first round: the policy latency at
-which the half in flight has just the time it needs.
+the whole batch takes with no policy, measured before the first round: the policy latency
+at which the half in flight has just the time it needs; "twice" is twice that time.
 
 ``--dispatch``: 8 envs that return at once (no work), harvested as they come: ``recv`` of
 one worker's envs at a time, at k=1 and k=4, against ``step()`` of the same layout; the
@@ -41,7 +45,9 @@ EnvPool (``pip install envpool``, Python >= 3.12) runs as a peer when installed:
 sync`` and ``EnvPool async`` (``batch_size=N // 2``, ``async_reset``, then ``recv`` and
 ``send(actions, env_id)``), its own port of the env with the settings ``bench.py`` matches.
 TorchRL's ``AsyncEnvPool`` runs as the other peer when installed (``torchrl``, with a CPU
-build of torch), on the same Gymnasium envs through its ``GymWrapper``, one env per worker
+build of torch; ``--torchrl-python`` runs its rows in another venv's Python, as torch's
+wheels and EnvPool's may not share one), on the same Gymnasium envs through its
+``GymWrapper``, one env per worker
 process, ``backend="multiprocessing"``, ``exchange="shm"``: ``TorchRL sync``
 (``step_and_maybe_reset`` of every env) and ``TorchRL async``
 (``async_step_and_maybe_reset_recv(min_get=N // 2, max_get=N // 2)``, the policy, then
@@ -67,7 +73,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import ALE_MATCHED, ENVPOOL_TASKS, REAL_WORKLOADS, WORKLOADS, is_installed
 
-ROWS = ("step()", "send/recv")
+ROWS = ("step()", "send/recv", "send/recv auto", "send/recv ready")
+ASYNC_ROWS = (*ROWS[1:], "ale-py async", "EnvPool async")
 ALE_ROWS = ("ale-py sync", "ale-py async")
 ENVPOOL_ROWS = ("EnvPool sync", "EnvPool async")  # its own threads, batch_size=N // 2
 TORCHRL_ROWS = ("TorchRL sync", "TorchRL async")  # AsyncEnvPool, shm exchange, 1 env/process
@@ -160,7 +167,7 @@ def sample(
             bank = [np.array([space.sample() for _ in range(n)]) for _ in range(16)]
         else:
             bank = [envs.action_space.sample() for _ in range(16)]
-        is_async = row in ("send/recv", "ale-py async", "EnvPool async")
+        is_async = row in ASYNC_ROWS
         if row == "EnvPool async":
             envs.async_reset()  # the first recv returns the first batch reset
         else:
@@ -187,13 +194,20 @@ def sample(
                 policy(latency_s, busy)
                 envs.send(bank[t % 16][ids], ids)
                 return len(ids)
-            *_, infos = envs.recv(batch_size=half)
+            if row == "send/recv auto":
+                *_, infos = envs.recv(batch_size="auto")
+            elif row == "send/recv ready":
+                *_, infos = envs.recv(batch_size=n, take="ready")
+            else:
+                *_, infos = envs.recv(batch_size=half)
             ids = infos["env_id"]
             policy(latency_s, busy)
             envs.send(bank[t % 16][ids], ids)
             return len(ids)
 
         result = timed(cycle, seconds)
+        if row == "send/recv auto":
+            result["picked"] = envs.auto_batch.batch_size
         if is_async and not row.startswith(("ale-py", "EnvPool")):
             envs.recv()
         return result
@@ -278,8 +292,14 @@ def run_child(args: argparse.Namespace) -> None:
     print(json.dumps(sample(**spec)))
 
 
+TORCHRL_PYTHON: list[str] = []  # ``--torchrl-python``: the interpreter of TorchRL's rows
+
+
 def measure(spec: dict[str, Any]) -> dict[str, float]:
-    command = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    python = sys.executable
+    if TORCHRL_PYTHON and spec["row"].startswith("TorchRL"):
+        python = TORCHRL_PYTHON[0]
+    command = [python, os.path.abspath(__file__), "--child", json.dumps(spec)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{spec}: {done.stderr[-2000:]}")
@@ -308,6 +328,7 @@ def table(
             for a, b in zip(samples[name], samples[base], strict=True)
         ]
         out[name] = {
+            "picked": [s.get("picked", 0) for s in samples[name]],
             "steps_per_s": statistics.median(rates),
             "x": statistics.median(ratios),
             "cpu_us": statistics.median(s["cpu_us"] for s in samples[name]),
@@ -333,14 +354,14 @@ def training(args: argparse.Namespace) -> None:
             print(f"\n{cell}: skipped, {module} is not installed (pip install -e '.[bench]')")
             continue
         k = per_core(n)
-        half_s = None
+        batch_s = None
         for latency in args.latencies.split(","):
-            if latency == "half":
-                if half_s is None:
+            if latency in ("half", "twice"):
+                if batch_s is None:  # one step() of the whole batch, no policy
                     base = {"row": "step()", "workload": workload, "n": n, "k": k}
                     base |= {"latency_s": 0.0, "busy": busy, "seconds": args.seconds}
-                    half_s = measure(base)["call_s"] / 2
-                latency_s = half_s
+                    batch_s = measure(base)["call_s"]
+                latency_s = batch_s / 2 if latency == "half" else batch_s * 2
             else:
                 latency_s = float(latency) / 1000
             common = {"workload": workload, "n": n, "latency_s": latency_s, "busy": busy}
@@ -355,8 +376,8 @@ def training(args: argparse.Namespace) -> None:
                 specs |= {row: {"row": row, "k": None, **common} for row in ENVPOOL_ROWS}
             specs |= torchrl_specs(common)
             title = f"{cell}, {args.policy} policy of {latency_s * 1000:.2f} ms per call" + (
-                " (half a batch's env time)" if latency == "half" else ""
-            )
+                {"half": " (half a batch's env time)", "twice": " (twice a batch's env time)"}
+            ).get(latency, "")
             out = table(title, specs, f"multienv step() k={k}", args.rounds)
             gains = [
                 f"{sync.split()[0]} {out[asynced]['steps_per_s'] / out[sync]['steps_per_s']:.2f}"
@@ -366,15 +387,27 @@ def training(args: argparse.Namespace) -> None:
             if gains:
                 ours = max(row["x"] for name, row in out.items() if "send/recv" in name)
                 print(f"  async over sync: multienv {ours:.2f} (its best), " + ", ".join(gains))
+            auto = out[f"multienv send/recv auto k={k}"]
+            peers = [
+                f"{sync.split()[0]}'s best {auto['steps_per_s'] / best:.2f}"
+                for sync, asynced in (ALE_ROWS, ENVPOOL_ROWS, TORCHRL_ROWS)
+                if sync in out and asynced in out
+                for best in [max(out[sync]["steps_per_s"], out[asynced]["steps_per_s"])]
+            ]
+            picked = ", ".join(f"{int(size)}" for size in auto["picked"])
+            print(
+                f"  picked batch (auto): {auto['x']:.2f}x step(), batches {picked} of {n} "
+                "by round" + "".join(f"; over {peer}" for peer in peers)
+            )
     if not is_installed("envpool"):
         print("\nEnvPool: not installed here (pip install envpool; Python >= 3.12), not measured")
-    if not is_installed("torchrl"):
+    if not TORCHRL_PYTHON and not is_installed("torchrl"):
         print("TorchRL: not installed here (a CPU torch, then pip install torchrl), not measured")
 
 
 def torchrl_specs(common: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """TorchRL's rows for these settings, where it is installed."""
-    if not is_installed("torchrl"):
+    if not TORCHRL_PYTHON and not is_installed("torchrl"):
         return {}
     return {row: {"row": row, "k": None, **common} for row in TORCHRL_ROWS}
 
@@ -415,7 +448,14 @@ def slow_reset(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cells", default="pong:16,halfcheetah:16")
-    parser.add_argument("--latencies", default="0,1,2,5,half", help="ms per call, or half")
+    parser.add_argument(
+        "--latencies", default="0,1,2,5,half,twice", help="ms per call, half or twice"
+    )
+    parser.add_argument(
+        "--torchrl-python",
+        help="the Python that runs TorchRL's rows (a venv with torchrl and multienv), when "
+        "it is not this one: torch's wheels and EnvPool's need not share a version",
+    )
     parser.add_argument("--policy", choices=("sleep", "busy"), default="sleep")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0)
@@ -423,6 +463,8 @@ def main() -> None:
     parser.add_argument("--slow-reset", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.torchrl_python:
+        TORCHRL_PYTHON.append(args.torchrl_python)
     if args.child:
         run_child(args)
     elif args.dispatch:

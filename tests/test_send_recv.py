@@ -256,3 +256,134 @@ def test_a_worker_killed_in_flight_comes_back_flagged_through_a_deadline_recv(k)
                 assert infos["multienv"]["_restarted"][trunc].all()
         assert sorted(returned) == [0, 1, 2, 3]
         assert 3 in truncated
+
+
+def _three_fast_one_slow(slow_s, k=1):
+    """Four envs; the last one's steps take ``slow_s`` (IncarnationEnv: obs[1] counts steps)."""
+    from tests.envs import IncarnationEnv
+
+    fast = functools.partial(IncarnationEnv, episode_length=10**9)
+    slow = functools.partial(IncarnationEnv, step_sleep_s=slow_s)
+    return MultiEnv([fast] * 3 + [slow], envs_per_worker=k)
+
+
+def _loop(envs, seconds, **recv):
+    """Keep every env in flight for ``seconds``; returns the steps returned, by env."""
+    counts = np.zeros(envs.num_envs, dtype=np.int64)
+    envs.send(np.zeros(envs.num_envs, dtype=np.int64))
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        obs, *_, infos = envs.recv(**recv)
+        ids = infos["env_id"]
+        assert ids.tolist() == sorted(set(ids.tolist()))
+        counts[ids] += 1
+        assert obs[:, 1].tolist() == counts[ids].tolist()  # each step once, none lost
+        envs.send(np.zeros(len(ids), dtype=np.int64), ids)
+    obs, *_, infos = envs.recv(timeout=10)
+    counts[infos["env_id"]] += 1
+    assert obs[:, 1].tolist() == counts[infos["env_id"]].tolist()
+    return counts
+
+
+def test_take_ready_returns_the_fast_envs_without_holding_them_for_a_slow_one():
+    with _three_fast_one_slow(0.05) as envs:
+        envs.reset(seed=0)
+        counts = _loop(envs, 1.0, batch_size=4, timeout=0.01, min_batch=1, take="ready")
+        # A full batch with its deadline returns the fast envs once per 10 ms deadline,
+        # about 5 times as often as the slow one's 50 ms; ready ones come back at once.
+        assert counts[:3].min() >= 20 * counts[3], counts.tolist()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_take_ready_returns_at_once_what_is_done_and_keeps_the_rest(k):
+    with _slow_last(k) as envs:
+        envs.reset(seed=0)
+        envs.send(np.zeros(4, dtype=np.int64))
+        began = time.monotonic()
+        *_, infos = envs.recv(take="ready", timeout=10)  # min_batch: 1
+        assert time.monotonic() - began < 0.6
+        assert set(infos["env_id"].tolist()) <= set(range(4 - k))
+        returned = infos["env_id"].tolist()
+        while len(returned) < 4 - k:  # the fast ones, then only the slow worker is left
+            returned += envs.recv(take="ready", timeout=0.5)[4]["env_id"].tolist()
+        with pytest.raises(WaitTimeoutError, match="0 of the 1 envs ready"):
+            envs.recv(take="ready", timeout=0.1)
+        assert sorted(returned) == list(range(4 - k))
+        *_, infos = envs.recv(batch_size=4, take="ready", min_batch=k, timeout=10)
+        assert infos["env_id"].tolist() == list(range(4 - k, 4))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_batch_size_above_the_envs_in_flight_takes_a_min_batch_they_can_meet(k):
+    with MultiEnv([CountingEnv] * 4, envs_per_worker=k) as envs:
+        envs.reset(seed=0)
+        kept = 4 - k  # a loop that holds one worker's envs out of flight
+        envs.send(np.zeros(kept, dtype=np.int64), np.arange(kept))
+        with pytest.raises(ValueError, match="or a min_batch the envs in flight can meet"):
+            envs.recv(batch_size=4)
+        with pytest.raises(ValueError, match=f"min_batch=4\\) with {kept} envs in flight"):
+            envs.recv(batch_size=4, min_batch=4)
+        returned = 0
+        for _ in range(20):
+            *_, infos = envs.recv(batch_size=4, min_batch=1, timeout=10)
+            ids = infos["env_id"]
+            assert 1 <= len(ids) <= kept
+            assert ids.max() < kept
+            returned += len(ids)
+            envs.send(np.zeros(len(ids), dtype=np.int64), ids)
+        assert envs.recv(batch_size=4, min_batch=kept)[4]["env_id"].tolist() == list(range(kept))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"take": "all"}, "take='all'"),
+        ({"batch_size": "auto", "take": "ready"}, "picks a full batch"),
+        ({"batch_size": "two"}, "batch_size='two'"),
+        ({"batch_size": 0}, "batch_size=0"),
+    ],
+)
+def test_recv_names_a_wrong_take_or_batch_size_and_takes_nothing(kwargs, match):
+    with MultiEnv([CountingEnv] * 2) as envs:
+        envs.reset(seed=0)
+        envs.send(np.zeros(2, dtype=np.int64))
+        with pytest.raises(ValueError, match=match):
+            envs.recv(**kwargs)
+        assert envs.recv(timeout=10)[4]["env_id"].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_picked_batch_returns_every_step_once_and_says_what_it_picked(k):
+    with MultiEnv([_endless()] * 8, envs_per_worker=k) as envs:
+        envs.reset(seed=0)
+        assert envs.auto_batch is None
+        counts = _loop(envs, 1.5, batch_size="auto")
+        assert counts.min() > 10
+        picked = envs.auto_batch
+        assert picked is not None
+        assert picked.in_flight == 8
+        assert picked.batch_size in (8, 8 // 2 // k * k or k)
+        assert "envs in flight" in str(picked)
+
+
+def test_a_picked_batch_takes_whole_batches_when_the_policy_dominates():
+    with MultiEnv([CountingEnv] * 4) as envs:
+        envs.reset(seed=0)
+        envs.send(np.zeros(4, dtype=np.int64))
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and (
+            envs.auto_batch is None or "ran" not in str(envs.auto_batch)
+        ):
+            *_, infos = envs.recv(batch_size="auto")
+            time.sleep(0.01)  # a policy of 10 ms against envs of microseconds: 2x per call
+            envs.send(np.zeros(len(infos["env_id"]), dtype=np.int64), infos["env_id"])
+        envs.recv()
+        assert envs.auto_batch.batch_size == 4, str(envs.auto_batch)
+        assert envs.auto_batch.whole_rate > 1.5 * envs.auto_batch.half_rate
+
+
+def _endless():
+    """IncarnationEnv whose episodes do not end: obs[1] counts every step of the env."""
+    from tests.envs import IncarnationEnv
+
+    return functools.partial(IncarnationEnv, episode_length=10**9)

@@ -327,11 +327,12 @@ class PartsPlane(Protocol):
         """Step every env of some workers; False, sending nothing, if it cannot go this way."""
 
     def receive(
-        self, size: int, timeout: float | None, min_size: int | None = None
+        self, size: int, timeout: float | None, min_size: int | None = None, is_ready: bool = False
     ) -> StepBatch | dict[int, Any]:
         """The first ``size`` envs to finish, ascending; or every worker, handed over.
 
-        At ``timeout``, the envs done so far if they are ``min_size`` or more (None: ``size``).
+        At ``timeout``, the envs done so far if they are ``min_size`` or more (None: ``size``);
+        ``is_ready``: the workers done as soon as their envs are ``min_size``, up to ``size``.
         """
 
     def flush_counts(self) -> None:

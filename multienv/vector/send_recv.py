@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
@@ -24,6 +24,7 @@ from multienv.errors import EnvStateError, WaitTimeoutError
 from multienv.supervision.handles import PartsPlane
 from multienv.vector import vector_checks
 from multienv.vector.assembly import Assembly, StepBatch
+from multienv.vector.batch_picker import AutoBatch, BatchPicker
 from multienv.vector.fan_out import FanOut, finish
 from multienv.vector.timing import CallClock, clocked
 from multienv.wire.autoreset import Autoreset
@@ -84,15 +85,24 @@ class SendRecvApi:
     @clocked
     def recv(
         self,
-        batch_size: int | None = None,
+        batch_size: int | Literal["auto"] | None = None,
         timeout: float | None = None,
         min_batch: int | None = None,
+        *,
+        take: Literal["full", "ready"] = "full",
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """Collect the steps of the first ``batch_size`` envs to finish among those in flight.
+        """Collect the steps of envs in flight: a full batch, what is ready, or a picked batch.
 
-        A deadline batch former: with ``timeout`` and ``min_batch``, a learner that must be
-        fed on time takes what is done at the deadline, as long as that is ``min_batch``
-        envs or more, and leaves the stragglers in flight.
+        Three ways to form the batch, told apart by their arguments:
+
+        - ``take="full"`` (the default): wait until ``batch_size`` envs are done and return
+          them. With ``timeout`` and ``min_batch``, a deadline batch former: at the
+          deadline, what is done is returned if it is ``min_batch`` envs or more.
+        - ``take="ready"``: return as soon as ``min_batch`` envs (default 1) are done, with
+          every env done by then, at most ``batch_size``: a policy server's loop, in which
+          fast envs are never held back by a slow one.
+        - ``batch_size="auto"``: a full batch whose size the vector picks, by timing whole
+          and half batches in this loop (``auto_batch`` says which it picked, and why).
 
         Example:
             >>> import gymnasium as gym, numpy as np
@@ -101,22 +111,30 @@ class SendRecvApi:
             ...     _ = envs.reset(seed=0)
             ...     envs.send(np.zeros(4, dtype=np.int64))
             ...     obs, *_, infos = envs.recv(batch_size=4, timeout=1.0, min_batch=2)
-            ...     2 <= len(infos["env_id"]) <= 4
+            ...     envs.send(np.ones(len(obs), dtype=np.int64), infos["env_id"])
+            ...     obs, *_, infos = envs.recv(batch_size=4, take="ready")  # 1 to 4, at once
+            ...     envs.send(np.ones(len(obs), dtype=np.int64), infos["env_id"])
+            ...     obs, *_, infos = envs.recv(batch_size="auto")
+            ...     1 <= len(infos["env_id"]) <= 4
             True
 
         Args:
-            batch_size: How many envs to return at most; default all that are in flight.
-                ``recv`` returns as soon as that many are done.
+            batch_size: How many envs to return at most; default all that are in flight;
+                ``"auto"``: the vector picks it. Above the envs in flight when the fewest
+                to return (``min_batch``, or ``take="ready"``) can be met: then at most
+                what is in flight comes back.
             timeout: Seconds to wait. At the deadline, what is done is returned if it is
                 ``min_batch`` envs or more; else ``TimeoutError`` is raised and every step
                 stays in flight, so nothing is lost.
-            min_batch: The fewest envs to return at the deadline (1 to ``batch_size``);
-                None: ``batch_size``, so that a timeout always raises.
+            min_batch: The fewest envs to return (1 to ``batch_size``, and no more than are
+                in flight): at the deadline, or with ``take="ready"`` as soon as they are
+                done. None: ``batch_size`` (so that a timeout raises); 1 with "ready".
+            take: ``"full"``: wait for ``batch_size`` envs; ``"ready"``: return once
+                ``min_batch`` are done, with every env done then.
 
         Returns:
-            ``(obs, rewards, terminations, truncations, infos)`` for ``batch_size`` envs (at
-            the deadline, from ``min_batch`` to ``batch_size``) in ascending env order;
-            ``infos["env_id"]`` holds their indices.
+            ``(obs, rewards, terminations, truncations, infos)`` for the envs returned, in
+            ascending env order; ``infos["env_id"]`` holds their indices.
 
         Raises:
             EnvError: An env raised in its step: that env leaves flight (it did not step).
@@ -126,7 +144,13 @@ class SendRecvApi:
         """
         if self.closed:
             raise ClosedEnvironmentError("MultiEnv.recv() called after close().")
-        return self._in_flight.recv(batch_size, timeout, min_batch)
+        return self._in_flight.recv(batch_size, timeout, min_batch, take)
+
+    @property
+    def auto_batch(self) -> AutoBatch | None:
+        """What ``recv(batch_size="auto")`` picks now and why; None before its first call."""
+        picker = self._in_flight.picker
+        return None if picker is None else picker.current()
 
 
 class InFlight:
@@ -154,6 +178,7 @@ class InFlight:
         # every env that raised is named by an ``EnvError``. Counted in flight till then.
         self._failed: dict[int, BaseException] = {}
         self.parts: PartsPlane | None = None
+        self.picker: BatchPicker | None = None  # ``recv(batch_size="auto")``'s, once called
 
     def is_busy(self) -> bool:
         """Whether any env is in flight, or collected and not yet returned."""
@@ -267,11 +292,16 @@ class InFlight:
             self._flying[number] = env_list
 
     def recv(
-        self, batch_size: int | None, timeout: float | None, min_batch: int | None = None
+        self,
+        batch_size: int | str | None,
+        timeout: float | None,
+        min_batch: int | None = None,
+        take: str = "full",
     ) -> StepBatch:
         """The first ``batch_size`` envs to finish (all in flight when None), ascending.
 
-        At ``timeout``, those done if they are ``min_batch`` or more (``MultiEnv.recv``).
+        At ``timeout``, those done if they are ``min_batch`` or more; with ``take="ready"``,
+        every env done once ``min_batch`` are (``MultiEnv.recv``).
         """
         parts = self.parts
         is_parts_only = not (self._received or self._failed or self._flying)
@@ -281,27 +311,34 @@ class InFlight:
             in_flight += sum(map(len, self._flying.values()))
         if not in_flight:
             raise EnvStateError("MultiEnv.recv() called with no env in flight; call send() first.")
-        size = in_flight if batch_size is None else batch_size
-        if not 1 <= size <= in_flight:
-            raise ValueError(
-                f"recv(batch_size={batch_size!r}) with {in_flight} envs in flight; pass a "
-                f"batch_size from 1 to {in_flight}, or None for all."
-            )
-        if min_batch is not None and (
-            type(min_batch) is not int or not 1 <= min_batch <= size  # (bool is no int here)
-        ):
-            raise ValueError(
-                f"recv(min_batch={min_batch!r}) with batch_size {size}; pass an int from 1 to "
-                f"{size}, or None for batch_size."
-            )
-        min_size = size if min_batch is None else min_batch
+        if batch_size == "auto" and take == "full":
+            if self.picker is None:
+                self.picker = BatchPicker(len(self._fan_out.groups[0].env_ids))
+            picker = self.picker
+            size = picker.size(in_flight)
+            min_size = size if min_batch is None else min(_min_batch(min_batch, in_flight), size)
+            batch = self._recv(size, min_size, timeout, False)
+            picker.returned(len(batch[1]))
+            return batch
+        size, min_size = batch_bounds(batch_size, min_batch, take, in_flight)
+        return self._recv(size, min_size, timeout, take == "ready")
+
+    def _recv(self, size: int, min_size: int, timeout: float | None, is_ready: bool) -> StepBatch:
+        """``recv`` of ``size`` envs at most (checked), ``min_size`` at least.
+
+        ``is_ready``: as soon as ``min_size`` are done, with every env done then; else
+        ``size``, or at the deadline ``min_size``.
+        """
+        parts = self.parts
+        is_parts_only = not (self._received or self._failed or self._flying)
+        need = min_size if is_ready else size
         if self._failed:
             self._raise_first({})  # an env's error from an earlier call, before anything else
         deadline = None if timeout is None else time.monotonic() + timeout
         if is_parts_only or (parts is not None and parts.is_busy()):
             assert parts is not None
             if not self._received and not self._flying:
-                batch = parts.receive(size, timeout, min_size)
+                batch = parts.receive(size, timeout, min_size, is_ready)
                 if type(batch) is tuple:
                     return batch
                 assert isinstance(batch, dict)
@@ -311,11 +348,11 @@ class InFlight:
                 errors = self._adopt(batch)
                 errors.update(self._collect(deadline))
                 self._raise_first(errors)  # the others' steps are kept
-            elif len(self._received) < size or self._flying:  # both ways: one way only
+            elif len(self._received) < need or self._flying:  # both ways: one way only
                 errors = self._adopt(parts.hand_over())
                 errors.update(self._collect(deadline))
                 self._raise_first(errors)
-        while len(self._received) < size:
+        while len(self._received) < need:
             flying = sorted(self._flying)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = self._fan_out.wait_any(flying, left)
@@ -324,12 +361,60 @@ class InFlight:
                     break  # the deadline's batch: what is done
                 raise WaitTimeoutError(
                     f"recv() timed out after {timeout} s with {len(self._received)} of the "
-                    f"{size} envs ready; every step is still in flight, call recv() again."
+                    f"{need} envs ready; every step is still in flight, call recv() again."
                 )
             groups = self._fan_out.groups
             collected = {flying[k]: finish(groups[flying[k]]) for k in ready}
             errors = self._assembly.receive(collected, self._flying, self._received, self._plans)
             self._raise_first(errors)
+        if is_ready and self._flying and len(self._received) < size:
+            self._raise_first(self._collect(time.monotonic()))  # every env done by now
         ids = sorted(list(self._received)[:size])
         rows = [self._received.pop(env_index) for env_index in ids]
         return self._assembly.partial_batch(ids, rows)
+
+
+def batch_bounds(
+    batch_size: int | str | None, min_batch: int | None, take: str, in_flight: int
+) -> tuple[int, int]:
+    """The most and the fewest envs a ``recv`` returns, checked (``MultiEnv.recv``).
+
+    A ``batch_size`` above the envs in flight is what is in flight, when the fewest it
+    must return (``min_batch``; with ``take="ready"``, 1 by default) are in flight.
+    """
+    if take not in ("full", "ready"):
+        raise ValueError(f"recv(take={take!r}): pass 'full' or 'ready'.")
+    if batch_size == "auto":
+        raise ValueError("recv(batch_size='auto') picks a full batch: leave take='full'.")
+    if batch_size is not None and (type(batch_size) is not int or batch_size < 1):
+        raise ValueError(
+            f"recv(batch_size={batch_size!r}): pass an int from 1, 'auto', or None for all "
+            f"{in_flight} envs in flight."
+        )
+    size = in_flight if batch_size is None else batch_size
+    is_bounded = min_batch is not None or take == "ready"
+    if size > in_flight and not is_bounded:
+        raise ValueError(
+            f"recv(batch_size={batch_size!r}) with {in_flight} envs in flight; pass a "
+            f"batch_size from 1 to {in_flight}, None for all, or a min_batch the envs in "
+            "flight can meet."
+        )
+    if min_batch is None:
+        return min(size, in_flight), size if take == "full" else 1
+    min_size = _min_batch(min_batch, in_flight)
+    if min_size > size:
+        raise ValueError(
+            f"recv(min_batch={min_batch!r}) with batch_size {size}; pass an int from 1 to "
+            f"{size}, or None."
+        )
+    return min(size, in_flight), min_size
+
+
+def _min_batch(min_batch: Any, in_flight: int) -> int:
+    """``min_batch``, checked: an int from 1 to the envs in flight."""
+    if type(min_batch) is not int or not 1 <= min_batch <= in_flight:  # (bool is no int here)
+        raise ValueError(
+            f"recv(min_batch={min_batch!r}) with {in_flight} envs in flight; pass an int "
+            f"from 1 to {in_flight}, or None."
+        )
+    return min_batch

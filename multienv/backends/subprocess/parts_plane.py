@@ -301,12 +301,13 @@ class PartsPlane(PartsHandOver):
             raise
 
     def receive(
-        self, size: int, timeout: float | None, min_size: int | None = None
+        self, size: int, timeout: float | None, min_size: int | None = None, is_ready: bool = False
     ) -> StepBatch | dict[int, Handed]:
         """The first ``size`` envs to finish, ascending; or every worker, handed over.
 
         At ``timeout``, the workers done so far, if their envs are ``min_size`` or more
-        (None: ``size``); fewer raise ``WaitTimeoutError``.
+        (None: ``size``); fewer raise ``WaitTimeoutError``. ``is_ready``: as soon as
+        ``min_size`` envs are done, the workers done then, first done first, up to ``size``.
 
         Returns:
             The batch; or, when something is not as usual, what ``hand_over`` returns, with
@@ -316,7 +317,8 @@ class PartsPlane(PartsHandOver):
             WaitTimeoutError: ``timeout`` passed first; every step stays in flight.
         """
         until = None if timeout is None else time.monotonic() + timeout
-        while self._done_envs < size:
+        need = min_size if is_ready and min_size is not None else size
+        while self._done_envs < need:
             wake_at = until
             if self._timeouts is not None:
                 deadline = float(self._deadlines[self._flying].min())
@@ -334,7 +336,7 @@ class PartsPlane(PartsHandOver):
                         del self._order[:]
                         return self._take(sorted(order))
                     raise WaitTimeoutError(
-                        f"recv() timed out after {timeout} s with {ready} of the {size} envs "
+                        f"recv() timed out after {timeout} s with {ready} of the {need} envs "
                         "ready; every step is still in flight, call recv() again."
                     )
                 continue
@@ -358,11 +360,9 @@ class PartsPlane(PartsHandOver):
                 if collected is not None:
                     return self._hand_over_all(collected)
                 replies += self._drained_by_control_plane()
-        order, sizes, filled, count = self._order, self._size_list, 0, 0
-        while filled < size:
-            filled += sizes[order[count]]
-            count += 1
-        if filled != size:  # the batch would split a worker
+        order = self._order
+        count = _whole_workers(order, self._size_list, need, size)
+        if not count:  # the batch would split a worker
             return self._hand_over_all()
         first = sorted(order[:count])
         del order[:count]
@@ -512,6 +512,18 @@ class PartsPlane(PartsHandOver):
     def _is_late(self) -> bool:
         flying = self._flying
         return bool(flying.any()) and float(self._deadlines[flying].min()) <= time.perf_counter()
+
+
+def _whole_workers(order: list[int], sizes: list[int], least: int, most: int) -> int:
+    """How many done workers, first done first, make ``least`` to ``most`` envs; else 0.
+
+    0: only a split worker would (the batch goes the general way).
+    """
+    filled = count = 0
+    while count < len(order) and filled + sizes[order[count]] <= most:
+        filled += sizes[order[count]]
+        count += 1
+    return count if filled >= least else 0
 
 
 def _rows(infos: dict[str, Any], ids: np.ndarray) -> dict[str, Any]:
