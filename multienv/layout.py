@@ -72,6 +72,8 @@ class Layout:
         reset_s: The median reset of env 0, timed likewise; None when not measured.
         reason: The choice and why, in words: what ``envs_per_worker="auto"`` logs.
         step_cpu_s: The median CPU of env 0's step, timed likewise; None when not measured.
+        blocked_share: The share of the timed steps in which env 0's thread blocked (a
+            voluntary context switch); None when not measured or not counted (not Linux).
     """
 
     num_envs: int
@@ -82,6 +84,7 @@ class Layout:
     reset_s: float | None = None
     reason: str = ""
     step_cpu_s: float | None = None
+    blocked_share: float | None = None
 
     def __str__(self) -> str:
         """The reason: the choice and why."""
@@ -95,6 +98,7 @@ def choose_layout(
     reset_s: float | None = None,
     may_oversubscribe: bool = True,
     step_cpu_s: float | None = None,
+    blocked_share: float | None = None,
 ) -> Layout:
     """The layout ``envs_per_worker="auto"`` picks for ``num_envs`` envs (see the module).
 
@@ -106,13 +110,19 @@ def choose_layout(
         may_oversubscribe: Whether workers may outnumber the cores: not in hot mode
             (``wait="spin"``), nor with ``pin_cpu=True``.
         step_cpu_s: The CPU of one env step, in seconds; None: as ``step_s`` (it computes).
+        blocked_share: The share of steps that blocked; None: each slow one did. A step
+            whose CPU is low but which did not block was preempted (the cores are busy):
+            it computes.
     """
     cores = max(1, cores)
     cost = f"{_duration(step_s)} a step"
-    is_waiting = step_cpu_s is not None and step_cpu_s < WAITING_SHARE * step_s
-    if is_waiting:
+    is_slow = step_cpu_s is not None and step_cpu_s < WAITING_SHARE * step_s
+    is_waiting = is_slow and (blocked_share is None or blocked_share >= WAITING_SHARE)
+    if is_slow:
         assert step_cpu_s is not None
         cost += f" of which {_duration(step_cpu_s)} CPU"
+        if not is_waiting:
+            cost += " (preempted, never blocked: the cores are busy, and it computes)"
     if num_envs <= cores:
         k, why = 1, "no more envs than cores: each env gets a core"
     elif is_waiting and may_oversubscribe:
@@ -134,7 +144,9 @@ def choose_layout(
     num_workers = -(-num_envs // k)
     per = "1 env per worker" if k == 1 else f"{k} envs per worker"
     reason = f"{cores} cores, {cost}: {per}, {num_workers} workers ({why})"
-    return Layout(num_envs, k, num_workers, cores, step_s, reset_s, reason, step_cpu_s)
+    return Layout(
+        num_envs, k, num_workers, cores, step_s, reset_s, reason, step_cpu_s, blocked_share
+    )
 
 
 def _waiting_k(num_envs: int, cores: int, step_s: float, step_cpu_s: float) -> int:

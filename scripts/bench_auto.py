@@ -4,6 +4,7 @@ Run:
     python scripts/bench_auto.py                       # N=8 and 16, about a minute
     python scripts/bench_auto.py --num-envs 16 --rounds 5
     python scripts/bench_auto.py --many 64,256         # many waiting envs: speed and memory
+    python scripts/bench_auto.py --spinners 2          # with the cores shared
 
 For each kind of env and each N it times the vector's env steps per second with one env per
 worker (k=1), with as many workers as cores (k=ceil(N/cores)) and with ``"auto"``, in
@@ -14,6 +15,11 @@ interleaved rounds (best of the rounds), and prints auto's ratio to the faster o
 - mixed: CartPole, but one env in four sleeps 5 ms per step (env 0 among them, so auto's
   probe of env 0 sees it wait);
 - mixed, env 0 computes: the same with the waiting envs elsewhere.
+
+Each row ends with the threads the workers started for waiting envs (the most of any
+layout and round): none for envs that compute, however busy the machine (``--spinners 2``
+runs two spinning processes meanwhile; a computing step then takes twice its CPU in wall
+time, but never blocks, so it is not taken for one that waits).
 
 A worker of several envs steps those that mostly wait at once, each on a thread of its own
 (``multienv.worker.waiting``), so k=ceil(N/cores) waits about as long as k=1. ``--many``
@@ -42,6 +48,7 @@ class Args:
     rounds: int = 3  # interleaved rounds; the best of them counts
     seconds: float = 2.0  # per cell and round
     many: str = ""  # N of waiting envs to time for speed and memory instead (comma-separated)
+    spinners: int = 0  # processes that spin on the cores meanwhile (a busy machine)
 
 
 class Computes(gym.Wrapper):
@@ -96,11 +103,16 @@ KINDS = {
 
 def steps_per_s(
     make, num_envs: int, layout, seconds: float
-) -> tuple[float, int, tuple[float, int]]:
-    """Env steps/s of a vector of ``make(index)``; its envs per worker; ``workers_pss_mb``."""
+) -> tuple[float, int, tuple[float, int], int]:
+    """Env steps/s of a vector of ``make(index)``, and what it ran as.
+
+    Also its envs per worker, ``workers_pss_mb`` and the threads its workers started for
+    waiting envs.
+    """
     fns = [lambda index=index: make(index) for index in range(num_envs)]
     with MultiEnv(fns, envs_per_worker=layout) as envs:
         envs.reset(seed=0)
+        before = threads(envs)
         actions = np.zeros(num_envs, dtype=np.int64)
         for _ in range(5):
             envs.step(actions)
@@ -109,7 +121,17 @@ def steps_per_s(
             envs.step(actions)
             steps += 1
         rate = steps * num_envs / (time.perf_counter() - began)
-        return rate, envs.layout.envs_per_worker, workers_pss_mb(envs)
+        started = threads(envs) - before
+        return rate, envs.layout.envs_per_worker, workers_pss_mb(envs), started
+
+
+def threads(envs: MultiEnv) -> int:
+    """The threads of all the vector's workers (a waiting env's steps run on one more)."""
+    total = 0
+    for pid in {env.pid for env in envs.envs}:
+        with open(f"/proc/{pid}/status") as status:
+            total += next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+    return total
 
 
 def workers_pss_mb(envs: MultiEnv) -> tuple[float, int]:
@@ -131,7 +153,7 @@ def many(args: Args) -> None:
         for layout in (1, -(-num_envs // cores), "auto"):
             best, memory = 0.0, (0.0, 0)
             for _ in range(args.rounds):
-                rate, chosen, memory = steps_per_s(waits, num_envs, layout, args.seconds)
+                rate, chosen, memory, _ = steps_per_s(waits, num_envs, layout, args.seconds)
                 best = max(best, rate)
             ceiling = num_envs / 5e-3
             print(
@@ -151,18 +173,19 @@ def main(args: Args) -> None:
         batched = -(-num_envs // cores)
         for kind, make in KINDS.items():
             best = {"k=1": 0.0, f"k={batched}": 0.0, "auto": 0.0}
-            chosen = ""
+            chosen, on_threads = "", 0
             for _ in range(args.rounds):
                 for name, layout in (("k=1", 1), (f"k={batched}", batched), ("auto", "auto")):
-                    rate, picked, _ = steps_per_s(make, num_envs, layout, args.seconds)
+                    rate, picked, _, started = steps_per_s(make, num_envs, layout, args.seconds)
                     best[name] = max(best[name], rate)
+                    on_threads = max(on_threads, started)
                     if name == "auto":
                         chosen = f"k={picked}"
             faster = max(best["k=1"], best[f"k={batched}"])
             cells = "  ".join(f"{name} {rate:8,.0f}" for name, rate in best.items())
             print(
                 f"N={num_envs:<3} {kind:<22} {cells}  auto chose {chosen}: "
-                f"{best['auto'] / faster:.2f}x the faster"
+                f"{best['auto'] / faster:.2f}x the faster; envs on threads {on_threads}"
             )
 
 
@@ -172,8 +195,26 @@ def parse_args() -> Args:
     parser.add_argument("--rounds", type=int, default=Args.rounds)
     parser.add_argument("--seconds", type=float, default=Args.seconds)
     parser.add_argument("--many", default=Args.many)
+    parser.add_argument("--spinners", type=int, default=Args.spinners)
     return Args(**vars(parser.parse_args()))
 
 
+def with_spinners(args: Args) -> None:
+    """``main``, with ``args.spinners`` processes spinning on the cores meanwhile."""
+    import subprocess
+    import sys
+
+    spin = [sys.executable, "-c", "while True: pass"]
+    spinners = [subprocess.Popen(spin) for _ in range(args.spinners)]
+    if spinners:
+        print(f"{len(spinners)} processes spin on the cores meanwhile")
+    try:
+        main(args)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 if __name__ == "__main__":
-    main(parse_args())
+    with_spinners(parse_args())

@@ -134,6 +134,30 @@ def live_actors(wait_s: float = 3.0) -> list[int]:
     return found
 
 
+@pytest.fixture
+def busy_cores():
+    """Every core this process may use kept busy: three spinning processes per core.
+
+    A computing step then gets a third of a core or so, its wall time three times its CPU,
+    as a waiting step's would be.
+    """
+    import subprocess
+    import sys
+
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(3 * len(os.sched_getaffinity(0)))
+    ]
+    try:
+        time.sleep(0.2)  # started and spinning
+        yield len(spinners)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local two-CPU Ray cluster for the whole session, quiet; skips if Ray is absent."""

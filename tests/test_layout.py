@@ -122,6 +122,30 @@ def test_the_worker_times_the_cpu_of_its_env_s_steps():
     assert computes.step_cpu_s >= 0.002
 
 
+@pytest.mark.timeout(60)
+def test_auto_takes_a_computing_env_on_a_busy_machine_for_one_that_computes(busy_cores):
+    sleepy = EnvRunner([cloudpickle.dumps(functools.partial(SleepyEnv, step_s=0.003))])
+    busy = EnvRunner([cloudpickle.dumps(functools.partial(BusyEnv, step_s=0.002))])
+    try:
+        sleepy.build()
+        busy.build()
+        waits = sleepy.measure(0, 0.1, 1000)
+        computes = busy.measure(0, 0.1, 1000)
+    finally:
+        sleepy.close()
+        busy.close()
+    assert computes.step_cpu_s is not None
+    assert computes.step_cpu_s < WAITING_SHARE * computes.step_s, "not slowed: proves nothing"
+    assert computes.blocked_share is not None
+    assert computes.blocked_share < WAITING_SHARE
+    assert waits.blocked_share == 1.0
+    args = (64, 2, computes.step_s, None, True, computes.step_cpu_s)
+    layout = choose_layout(*args, computes.blocked_share)
+    assert (layout.envs_per_worker, layout.num_workers) == (32, 2)  # as many as cores
+    assert "preempted, never blocked" in layout.reason
+    assert choose_layout(*args, 1.0).envs_per_worker != 32  # had it blocked: waiting
+
+
 def test_hot_mode_and_pinning_keep_one_worker_per_core_at_most():
     layout = choose_layout(64, 16, PONG_S, may_oversubscribe=False)
     assert (layout.envs_per_worker, layout.num_workers) == (4, 16)

@@ -215,6 +215,34 @@ def test_an_env_goes_to_its_thread_after_timings_in_a_row_and_back_when_it_compu
     assert envs[0].threads[-1] == "MainThread"
 
 
+@pytest.mark.timeout(60)
+def test_a_computing_env_on_a_busy_machine_stays_in_the_loop(busy_cores):
+    # Preempted, a step of 3 ms of CPU takes several times that in wall time, as a step
+    # that waits would; but its thread never blocks (voluntary switches), so it stays.
+    envs = [_Env(), _Env()]
+    for env in envs:
+        env.busy = True
+    chosen = WaitingEnvs(2)
+    slow = 0
+    for _ in range(FIRST_TIMED + CONFIRM * SAMPLE_EVERY):
+        began, cpu = time.perf_counter(), time.thread_time()
+        _step(chosen, envs)
+        slow += time.thread_time() - cpu < WAITING_SHARE * (time.perf_counter() - began)
+        assert chosen.waits == []
+    assert slow > CONFIRM, "the spinners did not slow the steps: the test proves nothing"
+    assert set(envs[0].threads) == {"MainThread"}
+
+
+def test_a_slow_step_that_did_not_block_does_not_count_as_waiting():
+    chosen = WaitingEnvs(1)
+    for _ in range(3 * CONFIRM):
+        chosen._note(0, wall=10e-3, cpu=1e-3, blocked=False)
+    assert chosen.waits == []
+    for _ in range(CONFIRM):
+        chosen._note(0, wall=10e-3, cpu=1e-3, blocked=True)
+    assert chosen.waits == [0]
+
+
 def test_the_worker_and_the_layout_agree_on_what_waits():
     assert waiting.WAITING_SHARE == WAITING_SHARE
     assert waiting.MIN_WAIT_S == MIN_WAIT_S

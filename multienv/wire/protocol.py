@@ -71,12 +71,16 @@ class StepCost:
         steps: How many steps were timed.
         step_cpu_s: The median CPU seconds (the worker process's) of those steps: far below
             ``step_s`` for an env that waits (I/O, a remote simulator) rather than computes.
+        blocked_share: The share of those steps in which the worker's thread blocked (a
+            voluntary context switch): near 1 for an env that waits, near 0 for one that
+            computes, however busy the machine (a preempted step does not block).
     """
 
     step_s: float
     reset_s: float
     steps: int
     step_cpu_s: float | None = None
+    blocked_share: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

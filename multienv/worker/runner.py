@@ -37,6 +37,7 @@ from multienv.wire.protocol import (
     pack_states,
 )
 from multienv.worker.legacy import LegacyEnv, adapt
+from multienv.worker.waiting import voluntary_switches
 from multienv.worker.worker_tracebacks import restore_script_names, user_traceback
 
 if TYPE_CHECKING:
@@ -194,6 +195,7 @@ class EnvRunner:
         env = self.envs[position]
         space = env.action_space
         clock, cpu_clock = time.perf_counter, time.process_time  # wall, and CPU of all threads
+        blocked = 0  # steps in which this thread blocked (a busy machine only preempts)
         began = clock()
         env.reset()
         resets = [clock() - began]
@@ -202,10 +204,11 @@ class EnvRunner:
         deadline = began + budget_s
         while len(steps) < max_steps and (not steps or clock() < deadline):
             action = space.sample()
-            started, cpu_started = clock(), cpu_clock()
+            started, cpu_started, switches = clock(), cpu_clock(), voluntary_switches()
             _, _, terminated, truncated, _ = env.step(action)
             steps.append(clock() - started)
             cpu.append(cpu_clock() - cpu_started)
+            blocked += voluntary_switches() > switches
             if terminated or truncated:
                 started = clock()
                 env.reset()
@@ -215,6 +218,7 @@ class EnvRunner:
             statistics.median(resets),
             len(steps),
             statistics.median(cpu),
+            blocked / len(steps),
         )
 
     def get_state(self, position: int) -> Any:

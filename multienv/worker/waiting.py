@@ -7,9 +7,11 @@ envs a step lasts k waits. ``WaitingEnvs`` finds those envs and overlaps their w
 - it times the envs' steps in its loop (wall time and the thread's CPU) on the first
   steps, and on one step in ``SAMPLE_EVERY`` after that, for a worker of two envs or more
   (a lone env has nothing to overlap, and is never timed);
-- an env waits when its step's CPU is under ``WAITING_SHARE`` of its wall time and it
-  waits ``MIN_WAIT_S`` or more (a thread hop costs tens of microseconds), ``CONFIRM``
-  timings in a row: a step that computes but was preempted once does not move;
+- an env waits when its step's CPU is under ``WAITING_SHARE`` of its wall time, it waits
+  ``MIN_WAIT_S`` or more (a thread hop costs tens of microseconds) and its thread blocked
+  in the step (a voluntary context switch, ``getrusage``), ``CONFIRM`` timings in a row.
+  A step that computes on a busy machine can take twice its CPU in wall time too, but the
+  kernel preempts it (involuntary switches only): it never blocks, so it does not move;
 - each step of the worker then starts those envs' steps (or resets) first, each on its own
   thread; the others step in the worker's loop meanwhile, and the loop takes each waiting
   env's result at its turn, so that everything after it (the checks, the shared memory,
@@ -25,12 +27,24 @@ its env; the worker's main thread steps that env too on its timed steps.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+try:
+    from resource import RUSAGE_THREAD, getrusage
+except ImportError:  # not Linux: every slow step counts as one that blocked
+    voluntary_switches: Callable[[], int] = itertools.count().__next__
+else:
+
+    def voluntary_switches() -> int:
+        """The times this thread blocked (gave up its core) since it began (``ru_nvcsw``)."""
+        return getrusage(RUSAGE_THREAD).ru_nvcsw
+
 
 SAMPLE_EVERY = 128  # after the first steps, one step in this many is timed
 FIRST_TIMED = 3  # the worker's first steps, all timed
@@ -116,11 +130,12 @@ class WaitingEnvs:
             return result
         if not self._is_timed:
             return function(*args)
-        began, cpu = _perf_counter(), _thread_time()
+        began, cpu, switches = _perf_counter(), _thread_time(), voluntary_switches()
         try:
             return function(*args)
         finally:
-            self._note(position, _perf_counter() - began, _thread_time() - cpu)
+            blocked = voluntary_switches() > switches
+            self._note(position, _perf_counter() - began, _thread_time() - cpu, blocked)
 
     def _result(self, position: int) -> tuple[Any, BaseException | None]:
         """The result of the call started on the thread of the env at ``position``."""
@@ -131,9 +146,12 @@ class WaitingEnvs:
             results[done] = (result, error)
         return results.pop(position)
 
-    def _note(self, position: int, wall: float, cpu: float) -> None:
-        """One timed call of the env at ``position``: it moves after ``CONFIRM`` in a row."""
-        waits = cpu < WAITING_SHARE * wall and wall - cpu >= MIN_WAIT_S
+    def _note(self, position: int, wall: float, cpu: float, blocked: bool = True) -> None:
+        """One timed call of the env at ``position``: it moves after ``CONFIRM`` in a row.
+
+        ``blocked``: its thread blocked in the call (a preempted one did not).
+        """
+        waits = blocked and cpu < WAITING_SHARE * wall and wall - cpu >= MIN_WAIT_S
         if waits == (position in self.waits):
             self._streaks[position] = 0
             return

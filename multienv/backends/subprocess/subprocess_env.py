@@ -482,7 +482,13 @@ def _auto_layout(env_fns: Sequence[EnvFn], options: SubprocessOptions) -> Layout
     may_oversubscribe = options.wait != "spin" and options.pin_cpu is not True
     cores = len(os.sched_getaffinity(0))
     layout = choose_layout(
-        len(env_fns), cores, cost.step_s, cost.reset_s, may_oversubscribe, cost.step_cpu_s
+        len(env_fns),
+        cores,
+        cost.step_s,
+        cost.reset_s,
+        may_oversubscribe,
+        cost.step_cpu_s,
+        cost.blocked_share,
     )
     logger.info("envs_per_worker='auto': %s", layout.reason)
     return layout
