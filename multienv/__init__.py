@@ -23,12 +23,14 @@ from multienv.recycle import RecyclePolicy
 from multienv.registration import make_vec
 from multienv.restart import RestartPolicy
 from multienv.supervision.lifecycle import EnvState
+from multienv.vector.batch_picker import AutoBatch
 from multienv.vector.multi_env import MultiEnv
 from multienv.wire.protocol import EnvSnapshot, RemoteTraceback
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoBatch",
     "EnvCrashLoopError",
     "EnvCrashedError",
     "EnvError",

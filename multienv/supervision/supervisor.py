@@ -384,7 +384,7 @@ class WorkerSupervisor:
         if pending.sent_items is None:
             result = collected
         else:
-            result = self._blank_result(len(batch.positions))
+            result = _blank_result(self._shm_handle, len(batch.positions))
             result.merge(collected, pending.sent_items)
             for item, cause in pending.lost.items():
                 self._cuts.truncate(result, batch, item, cause, self.stats.restarts)
@@ -504,16 +504,10 @@ class WorkerSupervisor:
         self.stats.note_batch(batch, result, elapsed, failed)
         self._cuts.note_obs(batch, result, lost, failed)
 
-    def _blank_result(self, size: int) -> BatchResult:
-        result = BatchResult.empty(size)
-        if self._shm_handle is None or not self._shm_handle.is_linked:
-            result.obs = [None] * size
-        return result
-
     def _recover_batch(self, batch: Batch, cause: str) -> tuple[BatchResult, dict[int, Exception]]:
         """After a death during a batch: respawn, truncate its steps, replay its resets."""
         self._restart(cause)
-        result = self._blank_result(len(batch.positions))
+        result = _blank_result(self._shm_handle, len(batch.positions))
         errors: dict[int, Exception] = {}
         resets = [item for item in range(len(batch.positions)) if batch.is_reset[item]]
         for item in range(len(batch.positions)):
@@ -573,3 +567,11 @@ class WorkerSupervisor:
     def envs_text(self) -> str:
         """``env 3`` or ``envs 3-5``: the worker's envs, for messages."""
         return self._life.envs_text()
+
+
+def _blank_result(shm_handle: Any, size: int) -> BatchResult:
+    """A result of ``size`` items to fill; observations too when there is no shared memory."""
+    result = BatchResult.empty(size)
+    if shm_handle is None or not shm_handle.is_linked:
+        result.obs = [None] * size
+    return result

@@ -9,11 +9,13 @@ time per batch, and no model of the machine predicted it well enough (``bench_ac
 half batches ran 0.59x to 1.3x ``step()`` on 2 cores, by latency and env). So the picker
 times both in the caller's own loop:
 
-- it starts with whole batches, for ``MEASURE_CALLS`` calls and ``MEASURE_S`` at least
-  (the first ``SETTLE_CALLS`` of a window not counted: the pipeline refills), then half
-  batches (whole workers, so the batch stays on the parts plane) likewise;
+- it times whole batches and half batches (whole workers, so the batch stays on the parts
+  plane) in turns, ``ROUNDS`` windows of each, interleaved so that a neighbour's load or
+  the policy's warm-up weighs on both alike; a window lasts ``MEASURE_CALLS`` calls and
+  ``MEASURE_S`` at least, its first ``SETTLE_CALLS`` not counted (the pipeline refills);
 - it keeps half batches only when they returned ``MARGIN`` more env steps per second than
-  whole ones did: whole batches are ``step()``'s loop, the safe side of a tie;
+  whole ones did over all their windows: whole batches are ``step()``'s loop, the safe side
+  of a tie;
 - it holds that choice, and measures both again when the caller's time between calls
   (the policy, ``recv`` returning to ``recv`` called) has moved by ``DRIFT`` either way since
   the last measurement, or ``REMEASURE_S`` after it.
@@ -32,8 +34,9 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-MEASURE_CALLS = 8  # counted calls in a window, at least
-MEASURE_S = 0.15  # and this long, at least
+MEASURE_CALLS = 6  # counted calls in a window, at least
+MEASURE_S = 0.08  # and this long, at least
+ROUNDS = 3  # windows of each batch, in turns
 SETTLE_CALLS = 2  # calls after a change of batch that a window does not count
 MARGIN = 1.03  # half batches are kept when their rate is this much over whole ones'
 DRIFT = 1.5  # the caller's time between calls moved this much: measure both again
@@ -78,7 +81,9 @@ class BatchPicker:
         self._clock = clock
         self._worker_size = max(1, worker_size)
         self._is_half = False
-        self._phase = "whole"  # measuring "whole", then "half"; then "hold"
+        self._phase = "measure"  # windows of each in turns; then "hold"
+        self._windows = 0  # windows measured in this phase
+        self._totals = {False: [0, 0.0], True: [0, 0.0]}  # by is_half: steps, seconds
         self._calls = 0  # calls in this window, the settling ones included
         self._steps = 0  # env steps returned by the window's counted calls
         self._began = 0.0  # when the window's first counted call returned
@@ -122,15 +127,21 @@ class BatchPicker:
         if self._phase == "hold":
             self._check_drift(policy_s, now)
             return
-        self._rates[self._is_half] = self._steps / elapsed
-        if self._phase == "whole":
+        total = self._totals[self._is_half]
+        total[0] += self._steps
+        total[1] += elapsed
+        self._windows += 1
+        if self._windows == 1:
             self._policy_s = policy_s
             if self._half(self._in_flight) >= self._in_flight:
                 self._decide(now, "one worker's envs are in flight: half a batch is all")
                 return
-            self._phase, self._is_half = "half", True
+        if self._windows < 2 * ROUNDS:
+            self._is_half = not self._is_half
             self._new_window()
             return
+        for is_half, (steps, seconds) in self._totals.items():
+            self._rates[is_half] = steps / seconds
         whole, half = self._rates[False], self._rates[True]
         self._is_half = half > MARGIN * whole
         faster = "half" if self._is_half else "whole"
@@ -152,9 +163,14 @@ class BatchPicker:
                 chosen * 1e3,
                 policy_s * 1e3,
             )
-            self._phase, self._is_half = "whole", False
-            self._rates.clear()
+            self._measure()
         self._new_window()
+
+    def _measure(self) -> None:
+        """Time both batches again, whole ones first."""
+        self._phase, self._is_half, self._windows = "measure", False, 0
+        self._totals = {False: [0, 0.0], True: [0, 0.0]}
+        self._rates.clear()
 
     def _decide(self, now: float, why: str) -> None:
         """Hold the batch picked now, and say why."""
@@ -184,7 +200,7 @@ class BatchPicker:
             self._rates.get(False),
             None,
             None,
-            f"{size} of {self._in_flight} envs in flight: timing {self._phase} batches",
+            f"{size} of {self._in_flight} envs in flight: timing whole and half batches",
         )
 
     def _new_window(self) -> None:

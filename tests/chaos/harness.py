@@ -752,11 +752,29 @@ class Chaos:
         else:
             bs = self.pyrng.randrange(1, flying + 1)
         timeout = self.pyrng.choice([None, None, 0.0, 0.01, 0.3])
+        # The other ways to form a batch: picked ("auto"), what is ready, and a batch_size
+        # above the envs in flight with a min_batch they can meet. ``least``: the fewest
+        # envs the call may return, given what is in flight (at most ``most`` of them).
+        form = self.pyrng.random()
+        extra: dict = {}
+        if form < 0.15:
+            bs, extra["take"] = "auto", "full"
+        elif form < 0.3:
+            extra["take"] = "ready"
+            extra["min_batch"] = self.pyrng.randrange(1, flying + 1)
+            bs = self.pyrng.randrange(extra["min_batch"], self.n + 1)
+        elif form < 0.4:
+            extra["min_batch"] = self.pyrng.randrange(1, flying + 1)
+            bs = self.pyrng.randrange(extra["min_batch"], self.n + 1)
         began = time.monotonic()
         while True:
             try:
                 out = self.call(
-                    f"recv(batch_size={bs})", self.envs.recv, batch_size=bs, timeout=timeout
+                    f"recv(batch_size={bs}, {extra})",
+                    self.envs.recv,
+                    batch_size=bs,
+                    timeout=timeout,
+                    **extra,
                 )
                 break
             except WaitTimeoutError:
@@ -775,14 +793,26 @@ class Chaos:
                 if not self.in_flight.any():
                     return None
                 flying = int(self.in_flight.sum())
-                if bs is not None and bs > flying:
+                if "min_batch" in extra:
+                    extra["min_batch"] = min(extra["min_batch"], flying)
+                elif type(bs) is int and bs > flying:
                     bs = flying
                 continue
         self.note_executed()
         obs, rew, term, trunc, infos = out
         ids = infos["env_id"]
-        if bs is not None and len(ids) != bs:
-            self.V("recv-wrong-batch-size", f"asked {bs} got {len(ids)}")
+        if bs == "auto":
+            self.c["recv-auto"] += 1
+            least, most = 1, flying
+        elif "min_batch" in extra:
+            self.c["recv-" + extra.get("take", "full") + "-min-batch"] += 1
+            most = min(bs, flying)
+            is_early = extra.get("take") == "ready" or timeout is not None
+            least = extra["min_batch"] if is_early else most
+        else:
+            least = most = flying if bs is None else bs
+        if not least <= len(ids) <= most:
+            self.V("recv-wrong-batch-size", f"{bs} {extra}: {least} to {most}, got {len(ids)}")
         if list(ids) != sorted(ids):
             self.V("recv-ids-not-ascending", f"{list(ids)}")
         for row, j in enumerate(ids.tolist()):

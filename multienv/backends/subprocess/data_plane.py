@@ -238,7 +238,7 @@ class DataPlane:
         frame, woken = self._frame, 0
         try:
             if self._timeouts is not None:
-                self._deadline = self._deadline_after(self._sent_at, reset_mask)
+                self._deadline = _deadline_after(self, self._sent_at, reset_mask)
             if self._tokens:
                 os.write(self._tokens_write, self._tokens)
             for fd in self._wake_fds:
@@ -493,26 +493,6 @@ class DataPlane:
             self._counters.note_window(ended, resets)
             self._steps_held = 0
 
-    def _deadline_after(self, sent_at: float, reset_mask: np.ndarray | None) -> float | None:
-        """When the first worker is late: each gets its envs' step and reset timeouts.
-
-        ``reset_mask``: the envs of a reset of some (the others do nothing); None for a step.
-        """
-        assert self._timeouts is not None
-        if reset_mask is not None:
-            resets = np.add.reduceat(reset_mask, self._starts, dtype=np.int64)
-            steps = resets * 0
-        elif self._is_next_step and self._last_flags != self._no_end:
-            ends = self._last_ends().any(axis=0)
-            resets = np.add.reduceat(ends, self._starts, dtype=np.int64)
-            steps = self._sizes - resets
-        else:
-            resets, steps = self._sizes * 0, self._sizes
-        budgets = worker_budgets(steps, resets, self._timeouts)
-        # A worker with nothing to do in the round has nothing to be late with.
-        earliest = float(np.where(steps + resets > 0, budgets, math.inf).min())
-        return None if math.isinf(earliest) else sent_at + earliest
-
     def _wait(self, timeout: float | None) -> list[tuple[int, int]]:
         """Poll the done pipe and the sentinels until one fires, the deadline or ``timeout``."""
         wake_at = self._deadline
@@ -559,3 +539,28 @@ class DataPlane:
             handle.take_planned(plan, env_slice, deadline)
         shared.done.note_records(records)
         return plan
+
+
+def _deadline_after(
+    plane: DataPlane, sent_at: float, reset_mask: np.ndarray | None
+) -> float | None:
+    """When ``plane``'s first worker is late: each gets its envs' step and reset timeouts.
+
+    (``DataPlane``'s, kept out of the class for its size.)
+
+    ``reset_mask``: the envs of a reset of some (the others do nothing); None for a step.
+    """
+    assert plane._timeouts is not None
+    if reset_mask is not None:
+        resets = np.add.reduceat(reset_mask, plane._starts, dtype=np.int64)
+        steps = resets * 0
+    elif plane._is_next_step and plane._last_flags != plane._no_end:
+        ends = plane._last_ends().any(axis=0)
+        resets = np.add.reduceat(ends, plane._starts, dtype=np.int64)
+        steps = plane._sizes - resets
+    else:
+        resets, steps = plane._sizes * 0, plane._sizes
+    budgets = worker_budgets(steps, resets, plane._timeouts)
+    # A worker with nothing to do in the round has nothing to be late with.
+    earliest = float(np.where(steps + resets > 0, budgets, math.inf).min())
+    return None if math.isinf(earliest) else sent_at + earliest

@@ -278,7 +278,9 @@ class PartsPlane(PartsHandOver):
         if timeouts is not None:
             workers = np.zeros(len(self._flying), dtype=np.bool_)
             workers[numbers] = True
-            self._deadlines[workers] = self._deadline_after(now, workers, timeouts)
+            resets = np.add.reduceat(self._resets, self._starts, dtype=np.int64)[workers]
+            steps = self._sizes[workers] - resets  # each late after its envs' timeouts
+            self._deadlines[workers] = now + worker_budgets(steps, resets, timeouts[workers])
         self._busy_envs += num_envs
         self.sent += 1
         wake_fds = self._wake_fds
@@ -503,11 +505,6 @@ class PartsPlane(PartsHandOver):
     def _note_counted(self) -> None:
         """A done worker's steps were counted by its supervisor (``_collect_reply``)."""
         self._any_counted = True
-
-    def _deadline_after(self, sent_at: float, workers: np.ndarray, timeouts: np.ndarray) -> Any:
-        """When each sent worker is late: its envs' step and reset timeouts (inf: never)."""
-        resets = np.add.reduceat(self._resets, self._starts, dtype=np.int64)[workers]
-        return sent_at + worker_budgets(self._sizes[workers] - resets, resets, timeouts[workers])
 
     def _is_late(self) -> bool:
         flying = self._flying
