@@ -3,10 +3,13 @@
 Run:
     python scripts/bench_actor.py                        # pong:16 and halfcheetah:16, a
                                                          # sleeping policy of 0, 1, 2, 5 ms
-                                                         # and of half a batch's env time
+                                                         # and of half and twice a
+                                                         # batch's env time
     python scripts/bench_actor.py --cells cheap:16 --latencies 0,1 --policy busy --rounds 2
     python scripts/bench_actor.py --dispatch             # TorchRL's "dispatch" workload
     python scripts/bench_actor.py --slow-reset           # TorchRL's "fast step, slow reset"
+    python scripts/bench_actor.py --torchrl-python ../trl/bin/python \
+        --rows "TorchRL sync,TorchRL async,multienv send/recv auto k=8" --rounds 1
 
 A training loop does not call the vector back to back: between two calls its policy runs
 (and its learner, now and then). A policy on a GPU leaves the CPU free while it runs, which
@@ -353,7 +356,7 @@ def training(args: argparse.Namespace) -> None:
         if module is not None and not is_installed(module):
             print(f"\n{cell}: skipped, {module} is not installed (pip install -e '.[bench]')")
             continue
-        k = per_core(n)
+        k = args.k or per_core(n)
         batch_s = None
         for latency in args.latencies.split(","):
             if latency in ("half", "twice"):
@@ -375,6 +378,9 @@ def training(args: argparse.Namespace) -> None:
             if workload in ENVPOOL_TASKS and is_installed("envpool"):
                 specs |= {row: {"row": row, "k": None, **common} for row in ENVPOOL_ROWS}
             specs |= torchrl_specs(common)
+            if args.rows:  # the rows named, with the step() they are read against
+                wanted = [*args.rows.split(","), f"multienv step() k={k}"]
+                specs = {name: spec for name, spec in specs.items() if name in wanted}
             title = f"{cell}, {args.policy} policy of {latency_s * 1000:.2f} ms per call" + (
                 {"half": " (half a batch's env time)", "twice": " (twice a batch's env time)"}
             ).get(latency, "")
@@ -387,7 +393,9 @@ def training(args: argparse.Namespace) -> None:
             if gains:
                 ours = max(row["x"] for name, row in out.items() if "send/recv" in name)
                 print(f"  async over sync: multienv {ours:.2f} (its best), " + ", ".join(gains))
-            auto = out[f"multienv send/recv auto k={k}"]
+            auto = out.get(f"multienv send/recv auto k={k}")
+            if auto is None:
+                continue
             peers = [
                 f"{sync.split()[0]}'s best {auto['steps_per_s'] / best:.2f}"
                 for sync, asynced in (ALE_ROWS, ENVPOOL_ROWS, TORCHRL_ROWS)
@@ -457,6 +465,8 @@ def main() -> None:
         "it is not this one: torch's wheels and EnvPool's need not share a version",
     )
     parser.add_argument("--policy", choices=("sleep", "busy"), default="sleep")
+    parser.add_argument("--rows", default="", help="only these rows (comma-separated names)")
+    parser.add_argument("--k", type=int, default=0, help="envs per worker (default N / cores)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--dispatch", action="store_true")

@@ -387,3 +387,75 @@ def _endless():
     from tests.envs import IncarnationEnv
 
     return functools.partial(IncarnationEnv, episode_length=10**9)
+
+
+def _whole_batches(envs, policy_s=0.01):
+    """An auto loop whose policy dominates: the picker settles on whole batches."""
+    envs.reset(seed=0)
+    envs.send(np.zeros(envs.num_envs, dtype=np.int64))
+    end = time.monotonic() + 20
+    while envs.auto_batch is None or "ran" not in str(envs.auto_batch):
+        assert time.monotonic() < end, str(envs.auto_batch)
+        *_, infos = envs.recv(batch_size="auto")
+        time.sleep(policy_s)
+        envs.send(np.zeros(len(infos["env_id"]), dtype=np.int64), infos["env_id"])
+    assert envs.auto_batch.batch_size == envs.num_envs
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_whole_picked_batches_step_on_the_data_plane_once_per_send(k):
+    with MultiEnv([_endless()] * 4, envs_per_worker=k) as envs:
+        _whole_batches(envs)
+        parts = envs._data_plane.parts
+        sent = parts.sent
+        *_, infos = envs.recv(batch_size="auto")
+        counts = None
+        for _ in range(20):
+            ids = infos["env_id"]
+            assert ids.tolist() == [0, 1, 2, 3]
+            envs.send(np.zeros(4, dtype=np.int64), ids)
+            assert envs._in_flight._stepping  # on the data plane
+            with pytest.raises(EnvStateError, match="in flight"):
+                envs.reset()
+            time.sleep(0.01)  # the policy's time, as it was: the choice holds
+            obs, *_, infos = envs.recv(batch_size="auto")
+            if counts is not None:
+                assert (obs[:, 1] == counts + 1).all()  # each env stepped once a call
+            counts = obs[:, 1].copy()
+        assert parts.sent == sent  # none went by the parts plane
+        envs.send(np.zeros(4, dtype=np.int64), infos["env_id"])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_worker_killed_in_a_whole_picked_batch_comes_back_flagged(k):
+    from tests.envs import IncarnationEnv
+
+    # Whole batches: 4 steps per 0.15 s; half ones (whole workers): 2 per 0.1 s.
+    slow = functools.partial(IncarnationEnv, episode_length=10**9, step_sleep_s=0.05)
+    with MultiEnv([_endless()] * 3 + [slow], envs_per_worker=k) as envs:
+        _whole_batches(envs, policy_s=0.1)
+        *_, infos = envs.recv(batch_size="auto")
+        time.sleep(0.1)
+        envs.send(np.zeros(4, dtype=np.int64), infos["env_id"])
+        assert envs._in_flight._stepping  # on the data plane
+        time.sleep(0.02)  # the slow env is in its step
+        os.kill(envs.envs[3].pid, signal.SIGKILL)
+        _, _, _, truncated, infos = envs.recv(batch_size="auto")
+        assert infos["env_id"].tolist() == [0, 1, 2, 3]
+        assert truncated.tolist() == [False] * (4 - k) + [True] * k
+        assert infos["multienv"]["cause"][3] == "SIGKILL"
+
+
+def test_other_recvs_of_a_whole_picked_batch_and_close_take_it_the_general_way():
+    with MultiEnv([_endless()] * 4, envs_per_worker=2) as envs:
+        _whole_batches(envs)
+        *_, infos = envs.recv(batch_size="auto")
+        envs.send(np.zeros(4, dtype=np.int64), infos["env_id"])
+        first = envs.recv(batch_size=2)[4]["env_id"].tolist()  # one worker's envs
+        rest = envs.recv()[4]["env_id"].tolist()
+        assert sorted(first + rest) == [0, 1, 2, 3]
+        assert first in ([0, 1], [2, 3])
+        envs.send(np.zeros(4, dtype=np.int64))
+        *_, infos = envs.recv(batch_size="auto")
+        envs.send(np.zeros(4, dtype=np.int64), infos["env_id"])
+    # closed with a whole step in flight: nothing left behind (the session checks workers)

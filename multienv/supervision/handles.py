@@ -305,8 +305,14 @@ class DataPlane(Protocol):
     def is_in_flight(self) -> bool:
         """Whether a step was sent and not yet received."""
 
-    def interrupt(self) -> None:
-        """An exception stopped the step in flight: hand it over to the supervisors."""
+    def align_slots(self) -> None:
+        """Put every env's last observation on one slot, so that a step of all may go here."""
+
+    def interrupt(self) -> StepPlan | None:
+        """An exception stopped the step in flight: hand it over to the supervisors.
+
+        Returns the plan they took their parts of; None if no step was in flight.
+        """
 
 
 class PartsPlane(Protocol):
@@ -337,6 +343,9 @@ class PartsPlane(Protocol):
 
     def flush_counts(self) -> None:
         """Count the steps and episodes of the batches returned since the last flush."""
+
+    def forget_returned(self) -> None:
+        """The envs the last ``recv`` returned were sent another way: no short ``send``."""
 
     def hand_over(self) -> dict[int, Any]:
         """Give every worker here to its supervisor; by worker, what the control plane gets.

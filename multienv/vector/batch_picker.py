@@ -103,6 +103,10 @@ class BatchPicker:
         self._in_flight = in_flight
         return self._half(in_flight) if self._is_half else in_flight
 
+    def wants_whole(self) -> bool:
+        """Whether the next batch is every env in flight (a ``send`` of all may step them)."""
+        return not self._is_half
+
     def _half(self, in_flight: int) -> int:
         """Half the envs in flight, in whole workers; all of them if that is one worker."""
         k = self._worker_size

@@ -228,6 +228,7 @@ class MultiEnv(ResetApi, PlanningApi, SendRecvApi, TimingApi, VectorEnv[Any, Any
                 self._data_plane = self._plan_link.open_data_plane(parts)
                 if self._data_plane is not None:
                     self._in_flight.parts = self._data_plane.parts
+                    self._in_flight.plane = self._data_plane
         # Dropped unclosed (collected, or alive at exit), the vector kills its workers at
         # once, without waiting (``abandon_workers``); close() detaches this. It replaces the
         # proxies' own finalizers, so that one warning names the vector.

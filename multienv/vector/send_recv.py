@@ -21,7 +21,7 @@ import numpy as np
 from gymnasium.error import ClosedEnvironmentError
 
 from multienv.errors import EnvStateError, WaitTimeoutError
-from multienv.supervision.handles import PartsPlane
+from multienv.supervision.handles import DataPlane, PartsPlane
 from multienv.vector import vector_checks
 from multienv.vector.assembly import Assembly, StepBatch
 from multienv.vector.batch_picker import AutoBatch, BatchPicker
@@ -179,15 +179,23 @@ class InFlight:
         self._failed: dict[int, BaseException] = {}
         self.parts: PartsPlane | None = None
         self.picker: BatchPicker | None = None  # ``recv(batch_size="auto")``'s, once called
+        # The vector's data plane: while the picker takes whole batches, a send of every env
+        # is its step, one pass and one wake-up of the caller, as ``step()``'s; in flight
+        # until ``recv`` (``_stepping``).
+        self.plane: DataPlane | None = None
+        self._stepping = False
+        self._all_ids = np.arange(len(self._worker_of), dtype=np.int64).tobytes()
 
     def is_busy(self) -> bool:
         """Whether any env is in flight, or collected and not yet returned."""
-        return bool(self._flying or self._received or self._failed) or (
+        return bool(self._flying or self._received or self._failed or self._stepping) or (
             self.parts is not None and self.parts.is_busy()
         )
 
     def env_ids(self) -> list[int]:
         """Every env in flight or collected and not yet returned, ascending."""
+        if self._stepping:
+            return list(range(len(self._worker_of)))
         ids = [*self._received, *self._failed, *(i for ids in self._flying.values() for i in ids)]
         if self.parts is not None:
             ids += self.parts.env_ids()
@@ -201,8 +209,21 @@ class InFlight:
         goes the general way too when it declines.
         """
         parts = self.parts
-        if parts is None or self._flying:
+        if parts is None or self._flying or self._stepping:
             return False
+        picker, plane = self.picker, self.plane
+        if (
+            picker is not None
+            and picker.wants_whole()
+            and plane is not None
+            and not (self._received or self._failed or parts.is_busy())
+            and (env_ids is None or _is_ids(env_ids, self._all_ids))
+        ):
+            plane.align_slots()
+            if plane.send(actions):
+                parts.forget_returned()
+                self._stepping = True
+                return True
         if self._received or self._failed:
             kept = self._received.keys() | self._failed.keys()
             if env_ids is None or not kept.isdisjoint(np.ravel(env_ids).tolist()):
@@ -303,6 +324,10 @@ class InFlight:
         At ``timeout``, those done if they are ``min_batch`` or more; with ``take="ready"``,
         every env done once ``min_batch`` are (``MultiEnv.recv``).
         """
+        if self._stepping:  # every env, on the data plane
+            if batch_size == "auto" and take == "full" and min_batch is None:
+                return self._recv_step(timeout)
+            self._leave_step()
         parts = self.parts
         is_parts_only = not (self._received or self._failed or self._flying)
         in_flight = 0 if parts is None else parts.num_busy()
@@ -322,6 +347,52 @@ class InFlight:
             return batch
         size, min_size = batch_bounds(batch_size, min_batch, take, in_flight)
         return self._recv(size, min_size, timeout, take == "ready")
+
+    def _recv_step(self, timeout: float | None) -> StepBatch:
+        """``recv(batch_size="auto")`` of the data plane's step of every env (``send_parts``).
+
+        Its batch; or, handed over (a death, a deadline, an env's error), its workers
+        collected the general way, all of them.
+        """
+        plane, picker = self.plane, self.picker
+        assert plane is not None
+        assert picker is not None
+        num_envs = len(self._worker_of)
+        picker.size(num_envs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        latencies = self._assembly.counters.latencies
+        in_steps_s = latencies.total_s
+        try:
+            received = plane.receive(timeout)
+        except BaseException:
+            self._leave_step()  # Ctrl-C: the envs stay in flight, for the next recv
+            raise
+        finally:
+            latencies.total_s = in_steps_s  # recv times itself (``timing``)
+        if received is None:
+            raise WaitTimeoutError(
+                f"recv() timed out after {timeout} s with 0 of the {num_envs} envs ready; "
+                "every step is still in flight, call recv() again."
+            )
+        self._stepping = False
+        if type(received) is tuple:
+            received[4]["env_id"] = np.arange(num_envs)
+            picker.returned(num_envs)
+            return received
+        assert isinstance(received, StepPlan)
+        self._adopt(dict.fromkeys(range(len(self._fan_out.groups)), received))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        batch = self._recv(num_envs, num_envs, left, False)
+        picker.returned(len(batch[1]))
+        return batch
+
+    def _leave_step(self) -> None:
+        """The data plane's step in flight goes the general way, each worker a part of it."""
+        self._stepping = False
+        assert self.plane is not None
+        plan = self.plane.interrupt()
+        if plan is not None:
+            self._adopt(dict.fromkeys(range(len(self._fan_out.groups)), plan))
 
     def _recv(self, size: int, min_size: int, timeout: float | None, is_ready: bool) -> StepBatch:
         """``recv`` of ``size`` envs at most (checked), ``min_size`` at least.
@@ -418,3 +489,8 @@ def _min_batch(min_batch: Any, in_flight: int) -> int:
             f"from 1 to {in_flight}, or None."
         )
     return min_batch
+
+
+def _is_ids(env_ids: Any, ids: bytes) -> bool:
+    """Whether ``env_ids`` is an int64 array of exactly these ids' bytes."""
+    return type(env_ids) is np.ndarray and env_ids.dtype == np.int64 and env_ids.tobytes() == ids

@@ -365,6 +365,15 @@ class DataPlane:
             self.thank_workers()
         return observations, infos
 
+    def align_slots(self) -> None:
+        """Put every env's last observation on one slot, so that a step of all may go here.
+
+        Partial batches (``send``/``recv``) leave envs on either slot; the envs that are
+        behind are copied over (``SharedBatch.observations``), as the general path does.
+        """
+        if self._shared.same_slot is None:
+            self._shared.observations(None)
+
     def is_in_flight(self) -> bool:
         """Whether a step was sent and not yet received."""
         return self._actions_sent is not None
@@ -418,14 +427,16 @@ class DataPlane:
             events = self._poll(max(0, math.ceil((wake_at - time.monotonic()) * 1000)))
         return events
 
-    def interrupt(self) -> None:
+    def interrupt(self) -> StepPlan | None:
         """An exception stopped the step in flight: the control plane owns it from now on.
 
         The workers' supervisors take their parts, so the vector's next call collects
-        (and drops) what the workers answer before it sends anything.
+        (and drops) what the workers answer before it sends anything; or ``recv`` collects
+        them, as parts of the plan returned (None: no step was in flight).
         """
-        if self._actions_sent is not None:
-            self._hand_over(self._records_read)
+        if self._actions_sent is None:
+            return None
+        return self._hand_over(self._records_read)
 
     # ----------------------------------------------------------------- off the healthy step
 

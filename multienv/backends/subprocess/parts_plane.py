@@ -370,6 +370,10 @@ class PartsPlane(PartsHandOver):
         del order[:count]
         return self._take(first)
 
+    def forget_returned(self) -> None:
+        """The envs the last ``recv`` returned were sent another way: no short ``send``."""
+        self._returned = _NO_IDS
+
     def hand_over(self) -> dict[int, Handed]:
         """Give every worker here to its supervisor, as a planned step's part; by worker."""
         return self._hand_over_all()
