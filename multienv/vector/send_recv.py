@@ -345,6 +345,18 @@ class InFlight:
             batch = self._recv(size, min_size, timeout, False)
             picker.returned(len(batch[1]))
             return batch
+        if type(batch_size) is int and min_batch is None and take == "full":  # the usual
+            if 1 <= batch_size <= in_flight:
+                if is_parts_only:  # (``_recv``'s first case, inline)
+                    assert parts is not None
+                    until = None if timeout is None else time.monotonic() + timeout
+                    received = parts.receive(batch_size, timeout, batch_size)
+                    if type(received) is tuple:
+                        return received
+                    assert isinstance(received, dict)
+                    left = None if until is None else max(0.0, until - time.monotonic())
+                    return self._recv(batch_size, batch_size, left, False, received)
+                return self._recv(batch_size, batch_size, timeout, False)
         size, min_size = batch_bounds(batch_size, min_batch, take, in_flight)
         return self._recv(size, min_size, timeout, take == "ready")
 
@@ -394,11 +406,19 @@ class InFlight:
         if plan is not None:
             self._adopt(dict.fromkeys(range(len(self._fan_out.groups)), plan))
 
-    def _recv(self, size: int, min_size: int, timeout: float | None, is_ready: bool) -> StepBatch:
+    def _recv(
+        self,
+        size: int,
+        min_size: int,
+        timeout: float | None,
+        is_ready: bool,
+        handed: dict[int, Any] | None = None,
+    ) -> StepBatch:
         """``recv`` of ``size`` envs at most (checked), ``min_size`` at least.
 
         ``is_ready``: as soon as ``min_size`` are done, with every env done then; else
-        ``size``, or at the deadline ``min_size``.
+        ``size``, or at the deadline ``min_size``. ``handed``: what the parts plane's
+        ``receive`` handed over when ``recv`` called it first.
         """
         parts = self.parts
         is_parts_only = not (self._received or self._failed or self._flying)
@@ -409,14 +429,16 @@ class InFlight:
         if is_parts_only or (parts is not None and parts.is_busy()):
             assert parts is not None
             if not self._received and not self._flying:
-                batch = parts.receive(size, timeout, min_size, is_ready)
-                if type(batch) is tuple:
-                    return batch
-                assert isinstance(batch, dict)
+                if handed is None:
+                    received = parts.receive(size, timeout, min_size, is_ready)
+                    if type(received) is tuple:
+                        return received
+                    assert isinstance(received, dict)
+                    handed = received
                 # Something was not as usual. Every worker in flight is collected now,
                 # so that the next sends find none stepping the general way and go on the
                 # parts plane again; the envs collected are returned first, in order.
-                errors = self._adopt(batch)
+                errors = self._adopt(handed)
                 errors.update(self._collect(deadline))
                 self._raise_first(errors)  # the others' steps are kept
             elif len(self._received) < need or self._flying:  # both ways: one way only

@@ -362,8 +362,14 @@ class PartsPlane(PartsHandOver):
                 if collected is not None:
                     return self._hand_over_all(collected)
                 replies += self._drained_by_control_plane()
-        order = self._order
-        count = _whole_workers(order, self._size_list, need, size)
+        order, sizes, filled, count = self._order, self._size_list, 0, 0
+        if is_ready:
+            count = _whole_workers(order, sizes, need, size)
+        else:  # (inline: the usual loop's)
+            while filled < size:
+                filled += sizes[order[count]]
+                count += 1
+            count *= filled == size
         if not count:  # the batch would split a worker
             return self._hand_over_all()
         first = sorted(order[:count])
